@@ -1,0 +1,211 @@
+"""Typed configs: plain `kw_only` dataclasses, validated from nested mappings (YAML) before any work.
+
+Owns the validator every package uses (`parse_config`) and the shared `policy.*` schema that both
+engines read. Engine-specific sections (`policy.dtensor_cfg`, `policy.megatron_cfg`) stay raw mappings
+here and are validated by the engine package that owns them, so rl-core imports no engine.
+
+Errors name the dotted key, the value received, what was expected and, for unknown keys, the closest
+valid key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config value or key is invalid; the message names the key and the fix."""
+
+
+def closest_key(key: str, candidates: list[str]) -> str | None:
+    match = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
+    return match[0] if match else None
+
+
+def unknown_key_error(path: str, key: str, candidates: list[str]) -> ConfigError:
+    near = closest_key(key, candidates)
+    hint = f"; did you mean '{_join(path, near)}'?" if near else ""
+    return ConfigError(f"unknown config key '{_join(path, key)}'{hint} Valid keys here: {sorted(candidates)}")
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _convert(value: Any, annotation: Any, path: str) -> Any:
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if annotation is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _convert(value, arg, path)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(f"'{path}' = {value!r} matches none of {annotation}: {'; '.join(errors)}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"'{path}' = {value!r} is not allowed; choose one of {list(args)}")
+        return value
+    if dataclasses.is_dataclass(annotation):
+        if isinstance(value, annotation):
+            return value
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"'{path}' must be a mapping of {annotation.__name__} keys; got {value!r}")
+        return parse_config(annotation, value, path)
+    if origin in (dict, Mapping) or annotation in (dict, Mapping):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"'{path}' must be a mapping; got {type(value).__name__} {value!r}")
+        return dict(value)
+    if origin in (list, tuple) or annotation in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"'{path}' must be a list; got {type(value).__name__} {value!r}")
+        item = args[0] if args else Any
+        converted = [_convert(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
+        return tuple(converted) if (origin or annotation) is tuple else converted
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"'{path}' must be a number; got {type(value).__name__} {value!r}")
+        return float(value)
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"'{path}' must be an integer; got {type(value).__name__} {value!r}")
+        return value
+    if annotation in (bool, str):
+        if not isinstance(value, annotation):
+            raise ConfigError(
+                f"'{path}' must be a {annotation.__name__}; got {type(value).__name__} {value!r}"
+            )
+        return value
+    return value
+
+
+def parse_config(cls: type[T], data: Mapping[str, Any] | None, path: str = "") -> T:
+    """Build dataclass `cls` from a mapping, checking keys and types recursively."""
+    data = dict(data or {})
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    for key in data:
+        if key not in names:
+            raise unknown_key_error(path, key, names)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in data:
+            kwargs[f.name] = _convert(data[f.name], hints[f.name], _join(path, f.name))
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"config key '{_join(path, f.name)}' is required ({hints[f.name]})")
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"'{path or cls.__name__}': {exc}") from exc
+
+
+def to_dict(cfg: Any) -> Any:
+    """A dataclass config as plain nested dicts (for saving the resolved config)."""
+    return dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else cfg
+
+
+# ---- the shared policy.* schema, read by every engine -------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    """Any torch.optim class by name, with its keyword arguments (`lr` required)."""
+
+    name: str = "AdamW"
+    kwargs: dict[str, Any] = field(default_factory=lambda: {"lr": 1e-6, "weight_decay": 0.01})
+
+    def __post_init__(self) -> None:
+        if "lr" not in self.kwargs:
+            raise ConfigError("policy.optimizer.kwargs.lr is required (the learning rate)")
+
+
+@dataclass(kw_only=True)
+class SchedulerConfig:
+    """Linear warmup to the optimizer's lr, then constant, cosine or linear decay to min_lr_ratio * lr."""
+
+    warmup_steps: int = 0
+    decay: Literal["constant", "cosine", "linear"] = "constant"
+    total_steps: int = 1000
+    min_lr_ratio: float = 0.0
+
+
+@dataclass(kw_only=True)
+class SequencePackingConfig:
+    enabled: bool = False
+    algorithm: Literal["mffd", "ffd", "bfd", "concat"] = "mffd"
+    train_mb_tokens: int = 4096
+    logprob_mb_tokens: int = 8192
+
+
+@dataclass(kw_only=True)
+class DynamicBatchingConfig:
+    """Micro-batches cut by a padded-token budget instead of a fixed sequence count."""
+
+    enabled: bool = False
+    train_mb_tokens: int = 4096
+    logprob_mb_tokens: int = 8192
+    sequence_length_round: int = 64
+
+
+@dataclass(kw_only=True)
+class PolicyConfig:
+    """`policy.*`: the model and the training settings both engines share."""
+
+    model_name: str
+    precision: Literal["float32", "bfloat16", "float16"] = "float32"
+    train_global_batch_size: int = 32
+    train_micro_batch_size: int = 4
+    logprob_batch_size: int = 8
+    max_grad_norm: float | None = 1.0
+    temperature: float = 1.0  # logits are divided by the sampling temperature before log-softmax
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    sequence_packing: SequencePackingConfig = field(default_factory=SequencePackingConfig)
+    dynamic_batching: DynamicBatchingConfig = field(default_factory=DynamicBatchingConfig)
+    dtensor_cfg: dict[str, Any] = field(default_factory=lambda: {"enabled": True})
+    megatron_cfg: dict[str, Any] = field(default_factory=lambda: {"enabled": False})
+
+    def __post_init__(self) -> None:
+        for key in ("train_global_batch_size", "train_micro_batch_size", "logprob_batch_size"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"policy.{key} must be >= 1; got {getattr(self, key)}")
+        if self.temperature <= 0:
+            raise ConfigError(f"policy.temperature must be > 0; got {self.temperature}")
+        megatron_on = bool(self.megatron_cfg.get("enabled", False))
+        dtensor_on = bool(self.dtensor_cfg.get("enabled", not megatron_on))
+        if megatron_on and dtensor_on and "enabled" in self.dtensor_cfg:
+            raise ConfigError(
+                "Configure either Megatron (policy.megatron_cfg.enabled=true) or DTensor "
+                "(policy.dtensor_cfg.enabled=true), not both."
+            )
+        if not megatron_on and not dtensor_on:
+            raise ConfigError(
+                "No training engine is enabled: set policy.dtensor_cfg.enabled=true or "
+                "policy.megatron_cfg.enabled=true."
+            )
+
+    @property
+    def engine_name(self) -> str:
+        """The registry name of the configured engine (the one place that maps config to a name)."""
+        return "megatron" if self.megatron_cfg.get("enabled", False) else "dtensor"
+
+    @property
+    def engine_options(self) -> dict[str, Any]:
+        """The engine's own section, minus the `enabled` switch."""
+        section = self.megatron_cfg if self.engine_name == "megatron" else self.dtensor_cfg
+        return {k: v for k, v in section.items() if k != "enabled"}

@@ -1,0 +1,113 @@
+"""The contracts every training engine, generation backend and reward environment implements.
+
+Kept to one screen on purpose: optional abilities go in separate protocols, not here. The shared
+contract tests in `rl_core.testing.contracts` run against every implementation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from torch import Tensor
+
+from rl_core.batch import LossFn, StepResult, TokenBatch
+
+
+@runtime_checkable
+class TrainingEngine(Protocol):
+    """A sharded policy model that computes logprobs, takes loss gradients and steps its optimizer."""
+
+    dp_rank: int
+    dp_size: int
+
+    def forward_backward(self, batch: TokenBatch, loss_fn: LossFn, *, forward_only: bool = False) -> StepResult:
+        """Run every micro-batch of this rank's batch through `loss_fn`; accumulate grads unless forward_only."""
+
+    def compute_logprobs(self, batch: TokenBatch) -> list[Tensor]:
+        """Per-sequence target-token logprobs (L_i,), 0 at position 0 (see rl_core.batch)."""
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Clip grads, step optimizer and scheduler; skip the step if the grad norm is not finite."""
+
+    def zero_grad(self) -> None:
+        """Drop accumulated gradients."""
+
+    def train_batch(self, batch: TokenBatch, loss_fn: LossFn) -> dict[str, float]:
+        """zero_grad + forward_backward + optimizer_step; returns loss, loss metrics and step metrics."""
+
+    def export_hf_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """Full (unsharded) tensors under Hugging Face names, one at a time (for refit)."""
+
+    def save_checkpoint(self, path: str) -> None:
+        """Write model, optimizer, scheduler and RNG state atomically to `path`."""
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore everything `save_checkpoint` wrote."""
+
+    def offload(self) -> None:
+        """Move parameters, grads and optimizer state to host memory (colocated generation)."""
+
+    def onload(self) -> None:
+        """Bring them back to the training device."""
+
+
+@dataclass(kw_only=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    max_new_tokens: int = 128
+    stop_token_ids: Sequence[int] = ()
+    seed: int | None = None
+
+
+@dataclass(kw_only=True)
+class Completion:
+    """One sampled continuation; `logprobs[i]` is the logprob of `token_ids[i]` under the sampler."""
+
+    prompt_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: Literal["stop", "length"]
+
+
+@runtime_checkable
+class GenerationBackend(Protocol):
+    """Samples completions from the current policy weights."""
+
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
+        """`params.n` completions per prompt, ordered prompt-major."""
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        """Load new weights given under Hugging Face names (refit)."""
+
+    def sleep(self) -> None:
+        """Release the KV cache and, where possible, the weights' device memory."""
+
+    def wake(self) -> None:
+        """Undo `sleep`."""
+
+
+@dataclass(kw_only=True)
+class RewardRequest:
+    prompt: str
+    completion: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class RewardResult:
+    reward: float
+    correct: bool | None = None  # for accuracy metrics, where the task has a notion of correct
+    error: str | None = None  # set when scoring crashed or timed out (reward is then 0)
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """Turns completions into rewards."""
+
+    def score(self, requests: Sequence[RewardRequest]) -> list[RewardResult]:
+        """One result per request, in order."""

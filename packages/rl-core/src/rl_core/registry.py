@@ -1,0 +1,80 @@
+"""Name -> class registries for training engines and generation backends.
+
+This is the one place backend names live. Packages announce their classes through Python entry points
+(`rl_core.engines`, `rl_core.generation_backends` in their pyproject.toml), so installing a wheel is what
+makes a backend available; `@register_engine("name")` registers a class defined in-process (tests, a
+user's own engine). An unknown name lists the known ones; a known but uninstalled one names the wheel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from importlib.metadata import entry_points
+from typing import Any, TypeVar
+
+from rl_core.config import PolicyConfig
+
+C = TypeVar("C")
+
+
+class Registry:
+    def __init__(self, kind: str, group: str, wheels: dict[str, str]) -> None:
+        self.kind, self.group, self.wheels = kind, group, wheels
+        self._classes: dict[str, type] = {}
+
+    def register(self, name: str) -> Callable[[type[C]], type[C]]:
+        def decorate(cls: type[C]) -> type[C]:
+            self._classes[name] = cls
+            return cls
+
+        return decorate
+
+    def _entry_points(self) -> dict[str, Any]:
+        return {ep.name: ep for ep in entry_points(group=self.group)}
+
+    def names(self) -> list[str]:
+        return sorted(set(self._classes) | set(self._entry_points()))
+
+    def get(self, name: str, *, config_key: str) -> type:
+        if name in self._classes:
+            return self._classes[name]
+        found = self._entry_points().get(name)
+        if found is None:
+            if name in self.wheels:
+                raise ValueError(
+                    f"{config_key} selects {self.kind} '{name}', which is not installed: "
+                    f"pip install {self.wheels[name]}"
+                )
+            raise ValueError(f"{config_key}: {self.kind} '{name}' is not registered; choose one of {self.names()}")
+        try:
+            cls = found.load()
+        except ImportError as exc:
+            hint = f" (pip install {self.wheels[name]})" if name in self.wheels else ""
+            raise ValueError(f"{self.kind} '{name}' is installed but failed to import{hint}: {exc}") from exc
+        self._classes[name] = cls
+        return cls
+
+
+ENGINES = Registry("training engine", "rl_core.engines", {"dtensor": "engine-dtensor", "megatron": "engine-megatron"})
+GENERATION_BACKENDS = Registry(
+    "generation backend", "rl_core.generation_backends", {"torch": "rollout", "vllm": "'rollout[vllm]'"}
+)
+
+
+def register_engine(name: str) -> Callable[[type[C]], type[C]]:
+    return ENGINES.register(name)
+
+
+def create_engine(policy: PolicyConfig, **kwargs: Any) -> Any:
+    """Build the engine that `policy` selects (policy.megatron_cfg.enabled / policy.dtensor_cfg.enabled)."""
+    cls = ENGINES.get(policy.engine_name, config_key=f"policy.{policy.engine_name}_cfg.enabled")
+    return cls(policy, **kwargs)
+
+
+def register_generation_backend(name: str) -> Callable[[type[C]], type[C]]:
+    return GENERATION_BACKENDS.register(name)
+
+
+def create_generation_backend(name: str, **kwargs: Any) -> Any:
+    """Build generation backend `name` (config key `generation.backend`)."""
+    return GENERATION_BACKENDS.get(name, config_key="generation.backend")(**kwargs)

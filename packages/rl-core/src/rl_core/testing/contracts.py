@@ -1,0 +1,95 @@
+"""The contract every `TrainingEngine` and `GenerationBackend` must meet, as reusable checks.
+
+Each engine / backend package calls these from its own tests with a factory for its implementation;
+rl-core's own tests run them against a minimal reference engine. Independent references (HF forward
+passes, float64 math) live in the packages' tests; these checks pin the behaviour of the interface.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from collections.abc import Callable
+
+import torch
+
+from rl_core.batch import TokenBatch
+from rl_core.interfaces import GenerationBackend, SamplingParams, TrainingEngine
+from rl_core.losses import ClippedPGLoss
+
+
+def random_token_batch(vocab_size: int, lengths: list[int], *, prompt_len: int = 3, seed: int = 0) -> TokenBatch:
+    """A GRPO-shaped batch: prompt tokens unmasked, response masked in, random advantages."""
+    gen = torch.Generator().manual_seed(seed)
+    input_ids = [torch.randint(3, vocab_size, (n,), generator=gen) for n in lengths]
+    loss_mask = []
+    for n in lengths:
+        mask = torch.zeros(n)
+        mask[min(prompt_len, n - 1):] = 1.0
+        loss_mask.append(mask)
+    advantages = [torch.full((n,), float(torch.randn((), generator=gen))) for n in lengths]
+    return TokenBatch(input_ids=input_ids, loss_mask=loss_mask, advantages=advantages)
+
+
+def check_training_engine(make_engine: Callable[[], TrainingEngine], vocab_size: int) -> None:
+    """Shapes, determinism, training moves logprobs, forward_only leaves weights alone, checkpoints restore."""
+    engine = make_engine()
+    assert isinstance(engine, TrainingEngine), f"{type(engine).__name__} does not implement TrainingEngine"
+    batch = random_token_batch(vocab_size, [5, 9, 7, 12])
+    logprobs = engine.compute_logprobs(batch)
+    assert [lp.shape for lp in logprobs] == [torch.Size([n]) for n in batch.lengths]
+    for lp in logprobs:
+        assert float(lp[0]) == 0.0 and bool((lp[1:] <= 0).all()) and bool(torch.isfinite(lp).all())
+    again = engine.compute_logprobs(batch)
+    assert all(torch.equal(a, b) for a, b in zip(logprobs, again)), "compute_logprobs is not deterministic"
+
+    batch = batch.with_fields(prev_logprobs=[lp.detach().cpu() for lp in logprobs])
+    loss_fn = ClippedPGLoss()
+    result = engine.forward_backward(batch, loss_fn, forward_only=True)
+    assert math.isfinite(result.loss) and result.num_micro_batches >= 1
+    unchanged = engine.compute_logprobs(batch)
+    assert all(torch.equal(a, b) for a, b in zip(logprobs, unchanged)), "forward_only changed the model"
+
+    with tempfile.TemporaryDirectory() as ckpt:
+        engine.save_checkpoint(ckpt + "/step")
+        metrics = engine.train_batch(batch, loss_fn)
+        for key in ("loss", "grad_norm", "lr"):
+            assert key in metrics and math.isfinite(metrics[key]), f"train_batch metrics lack a finite {key!r}"
+        trained = engine.compute_logprobs(batch)
+        assert any(not torch.equal(a, b) for a, b in zip(logprobs, trained)), "train_batch changed nothing"
+        engine.load_checkpoint(ckpt + "/step")
+        restored = engine.compute_logprobs(batch)
+        assert all(torch.equal(a, b) for a, b in zip(logprobs, restored)), "load_checkpoint did not restore"
+        engine.train_batch(batch, loss_fn)
+        retrained = engine.compute_logprobs(batch)
+        assert all(torch.equal(a, b) for a, b in zip(trained, retrained)), "resumed step differs"
+
+    names = [name for name, tensor in engine.export_hf_weights()]
+    assert names and len(names) == len(set(names)), "export_hf_weights yields no or duplicate names"
+    engine.offload()
+    engine.onload()
+    assert all(torch.equal(a, b) for a, b in zip(retrained, engine.compute_logprobs(batch)))
+
+
+def check_generation_backend(backend: GenerationBackend, prompts: list[list[int]], eos_token_id: int) -> None:
+    """Prompt-major n samples, logprob per token, length limits, seeded determinism, sleep/wake."""
+    assert isinstance(backend, GenerationBackend), f"{type(backend).__name__} does not implement GenerationBackend"
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=6, seed=1234)
+    out = backend.generate(prompts, params)
+    assert [c.prompt_index for c in out] == [i for i in range(len(prompts)) for _ in range(3)]
+    for c in out:
+        assert 1 <= len(c.token_ids) <= 6 and len(c.logprobs) == len(c.token_ids)
+        assert all(lp <= 0 and math.isfinite(lp) for lp in c.logprobs)
+        assert c.finish_reason in ("stop", "length")
+        if c.finish_reason == "length":
+            assert len(c.token_ids) == 6, "finish_reason 'length' before max_new_tokens"
+        else:
+            assert c.token_ids[-1] == eos_token_id, "finish_reason 'stop' without the stop token"
+    again = backend.generate(prompts, params)
+    assert [c.token_ids for c in out] == [c.token_ids for c in again], "a fixed seed must repeat the samples"
+    backend.sleep()
+    backend.wake()
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=6)
+    assert [c.token_ids for c in backend.generate(prompts, greedy)] == [
+        c.token_ids for c in backend.generate(prompts, greedy)
+    ]

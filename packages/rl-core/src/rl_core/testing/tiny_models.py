@@ -1,0 +1,125 @@
+"""Tiny Hugging Face checkpoints of real architectures, built locally (nothing is downloaded).
+
+Used by every package's tests, the benchmarks and the trainer's default run. A checkpoint is a normal HF
+directory (config.json, model.safetensors, tokenizer files) that `AutoModelForCausalLM.from_pretrained`
+loads. The tokenizer is character-level over printable ASCII, enough for the built-in toy tasks.
+Needs `transformers` (the `rl-core[testing]` extra); imported lazily.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import string
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe")
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
+# head_dim 32: the smallest head size vLLM's CPU attention supports.
+BASE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6)
+MOE = dict(num_local_experts=4, num_experts_per_tok=2)
+
+
+def _vocab() -> list[str]:
+    return SPECIAL_TOKENS + [c for c in string.printable if c not in "\x0b\x0c\r"]
+
+
+def build_tokenizer(vocab_size: int | None = None) -> Any:
+    """A character-level `PreTrainedTokenizerFast` with <pad>, <s>, </s> and a plain chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(_vocab())}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="?"))
+    core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="?"
+    )
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    return tok
+
+
+def tiny_config(arch: str, vocab_size: int = 128, **overrides: Any) -> Any:
+    """The HF config of a tiny model of architecture `arch` (one of ARCHITECTURES)."""
+    import transformers
+
+    classes = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+        "mistral": transformers.MistralConfig,
+        "mixtral": transformers.MixtralConfig,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
+    }
+    if arch not in classes:
+        raise ValueError(f"tiny model architecture {arch!r} is not known; choose one of {list(ARCHITECTURES)}")
+    kwargs: dict[str, Any] = dict(BASE, vocab_size=vocab_size, tie_word_embeddings=False,
+                                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if arch == "qwen3":
+        kwargs["head_dim"] = 32
+    if arch in ("mixtral", "qwen3_moe"):
+        kwargs.update(MOE)
+    if arch == "qwen3_moe":
+        kwargs.update(moe_intermediate_size=128, head_dim=32, norm_topk_prob=True)
+    kwargs.update(overrides)
+    return classes[arch](**kwargs)
+
+
+def build_tiny_model(arch: str = "qwen2", *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                     **overrides: Any) -> Any:
+    """A randomly initialised tiny `*ForCausalLM` (deterministic for a seed)."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(arch, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    # Larger-than-default init so that logits are far from uniform: tests then see real differences.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.08, generator=None)
+            elif "bias" in name:
+                param.normal_(0.0, 0.02)
+    return model.eval()
+
+
+def save_tiny_checkpoint(path: str | os.PathLike, arch: str = "qwen2", *, seed: int = 0,
+                         max_shard_size: str | None = None, **overrides: Any) -> Path:
+    """Build and save a tiny HF checkpoint with tokenizer at `path` (atomically); returns the path."""
+    path = Path(path)
+    model = build_tiny_model(arch, seed=seed, **overrides)
+    tokenizer = build_tokenizer()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp"))
+    try:
+        kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+        model.save_pretrained(tmp, **kwargs)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "tiny_model.json").write_text(json.dumps({"arch": arch, "seed": seed, **overrides}))
+        if path.exists():
+            shutil.rmtree(path)
+        os.rename(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def cached_tiny_checkpoint(arch: str = "qwen2", *, seed: int = 0, cache_dir: str | os.PathLike | None = None,
+                           **overrides: Any) -> Path:
+    """A tiny checkpoint cached under `cache_dir` (default ~/.cache/rl-stack/tiny-models), built once."""
+    root = Path(cache_dir or os.environ.get("RL_STACK_CACHE", Path.home() / ".cache" / "rl-stack")) / "tiny-models"
+    suffix = "-".join(f"{k}{v}" for k, v in sorted(overrides.items()))
+    path = root / f"{arch}-s{seed}{'-' + suffix if suffix else ''}"
+    if not (path / "config.json").exists():
+        save_tiny_checkpoint(path, arch, seed=seed, **overrides)
+    return path
