@@ -17,18 +17,16 @@ import torch
 from torch import Tensor
 
 
-def _group_index(group_ids: Tensor) -> tuple[Tensor, int]:
-    """Map arbitrary group ids to 0..G-1."""
-    _, index = torch.unique(group_ids, return_inverse=True)
-    return index, int(index.max()) + 1 if index.numel() else 0
-
-
-def _check(rewards: Tensor, group_ids: Tensor) -> None:
-    if rewards.dim() != 1 or group_ids.shape != rewards.shape:
-        raise ValueError(
-            f"rewards and group_ids must be 1-D of equal length; got {tuple(rewards.shape)} and "
-            f"{tuple(group_ids.shape)}"
-        )
+def _dense_groups(group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor, int, int]:
+    """Lay N samples out as a (G, M) group-by-member grid: returns row (N,), col (N,), sizes (G,), G, M."""
+    _, row = torch.unique(group_ids, return_inverse=True)
+    num_groups = int(row.max()) + 1
+    order = torch.argsort(row, stable=True)
+    sizes = torch.bincount(row, minlength=num_groups)
+    starts = torch.cumsum(sizes, 0) - sizes
+    col = torch.empty_like(row)
+    col[order] = torch.arange(row.numel(), device=row.device) - starts[row[order]]
+    return row, col, sizes, num_groups, int(sizes.max())
 
 
 def grpo_advantages(
@@ -41,31 +39,37 @@ def grpo_advantages(
     clip: float | None = None,
 ) -> Tensor:
     """GRPO advantages (N,): reward minus group baseline, optionally over the group std, optionally clipped."""
-    _check(rewards, group_ids)
-    index, num_groups = _group_index(group_ids)
-    r = rewards
-    zeros = torch.zeros(num_groups, dtype=r.dtype, device=r.device)
-    count = zeros.index_add(0, index, torch.ones_like(r))
-    mean = (zeros.index_add(0, index, r) / count)[index]
-    n = count[index]
-    # Sum of squared deviations from the group mean, from deviations (no E[x^2]-E[x]^2 cancellation).
-    ss = zeros.index_add(0, index, (r - mean) ** 2)[index]
+    if rewards.dim() != 1 or group_ids.shape != rewards.shape:
+        raise ValueError(
+            f"rewards and group_ids must be 1-D of equal length; got {tuple(rewards.shape)} and "
+            f"{tuple(group_ids.shape)}"
+        )
+    if rewards.numel() == 0:
+        return rewards.clone()
+    row, col, sizes, num_groups, width = _dense_groups(group_ids)
+    grid = rewards.new_zeros(num_groups, width).index_put((row, col), rewards)  # (G, M)
+    present = torch.zeros(num_groups, width, dtype=torch.bool, device=rewards.device).index_put(
+        (row, col), torch.ones_like(row, dtype=torch.bool)
+    )
+    # pool[g, i, j]: does member j enter member i's baseline? (all members, or all but i)
+    pool = present[:, None, :].expand(num_groups, width, width)
     if leave_one_out:
-        m = n - 1  # size of "the others"
-        baseline = (n * mean - r) / m.clamp(min=1)
-        # Squared deviations of the others from their own mean: shift SS to that mean, drop member i.
-        others_ss = ss + n * (mean - baseline) ** 2 - (r - baseline) ** 2
-        var = others_ss / (m - 1).clamp(min=1)
-        std_defined = m >= 2
-    else:
-        baseline = mean
-        var = ss / (n - 1).clamp(min=1)
-        std_defined = n >= 2
-    adv = r - baseline
+        pool = pool & ~torch.eye(width, dtype=torch.bool, device=rewards.device)
+    values = grid[:, None, :].expand_as(pool)  # (G, M, M)
+    count = pool.sum(-1)  # (G, M)
+    hi = torch.where(pool, values, torch.full_like(values, float("-inf"))).amax(-1)
+    lo = torch.where(pool, values, torch.full_like(values, float("inf"))).amin(-1)
+    # A constant pool has std exactly 0 and its exact value as mean: rounding must not turn it into
+    # a tiny std that 1 / (std + eps) would blow up.
+    constant = hi == lo
+    mean = torch.where(constant, lo, (values * pool).sum(-1) / count.clamp(min=1))
+    deviation = torch.where(pool, values - mean[..., None], torch.zeros_like(values))
+    std = (deviation.square().sum(-1) / (count - 1).clamp(min=1)).sqrt()
+    adv = grid - mean
     if normalize_std:
-        std = var.clamp(min=0).sqrt()
-        adv = torch.where(std_defined & (std > 0), adv / (std + eps), adv)
-    adv = torch.where(n > 1, adv, torch.zeros_like(adv))
+        adv = torch.where((count >= 2) & ~constant & (std > 0), adv / (std + eps), adv)
+    adv = adv[row, col]
+    adv = torch.where(sizes[row] > 1, adv, torch.zeros_like(adv))
     if clip is not None:
         adv = adv.clamp(-clip, clip)
     return adv

@@ -177,7 +177,8 @@ class PolicyConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     sequence_packing: SequencePackingConfig = field(default_factory=SequencePackingConfig)
     dynamic_batching: DynamicBatchingConfig = field(default_factory=DynamicBatchingConfig)
-    dtensor_cfg: dict[str, Any] = field(default_factory=lambda: {"enabled": True})
+    # `dtensor_cfg.enabled` defaults to "not megatron", so `policy.megatron_cfg.enabled=true` alone switches.
+    dtensor_cfg: dict[str, Any] = field(default_factory=dict)
     megatron_cfg: dict[str, Any] = field(default_factory=lambda: {"enabled": False})
 
     def __post_init__(self) -> None:
@@ -188,7 +189,7 @@ class PolicyConfig:
             raise ConfigError(f"policy.temperature must be > 0; got {self.temperature}")
         megatron_on = bool(self.megatron_cfg.get("enabled", False))
         dtensor_on = bool(self.dtensor_cfg.get("enabled", not megatron_on))
-        if megatron_on and dtensor_on and "enabled" in self.dtensor_cfg:
+        if megatron_on and dtensor_on:
             raise ConfigError(
                 "Configure either Megatron (policy.megatron_cfg.enabled=true) or DTensor "
                 "(policy.dtensor_cfg.enabled=true), not both."

@@ -1,8 +1,8 @@
 """The contract every `TrainingEngine` and `GenerationBackend` must meet, as reusable checks.
 
-Each engine / backend package calls these from its own tests with a factory for its implementation;
-rl-core's own tests run them against a minimal reference engine. Independent references (HF forward
-passes, float64 math) live in the packages' tests; these checks pin the behaviour of the interface.
+Each engine / backend package calls these from its own tests with its implementation. Independent
+references (HF forward passes, float64 math) live in the packages' tests; these checks pin the
+behaviour of the interface itself.
 """
 
 from __future__ import annotations
