@@ -1,0 +1,139 @@
+"""Placement and fan-out: start Ray, place the worker groups, and give the loop batch-level calls.
+
+Owns: `ray.init` (a local Ray bound to 127.0.0.1, or `cluster.address`), the placement group on GPU
+clusters, DP sharding of batches (token-balanced with seqpack), the refit wiring, and colocation
+(offload the policy / wake the generator around generation). The loop sees one object, `Workers`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+import torch
+
+from grpo_app.config import GRPOConfig
+from grpo_app.workers import GenerationWorker, PolicyWorker, RewardWorker, free_port
+from rl_core.batch import TokenBatch
+from rl_core.interfaces import Completion, RewardRequest, RewardResult, SamplingParams
+from seqpack import balance_partitions
+
+logger = logging.getLogger(__name__)
+
+
+def start_ray(cfg: GRPOConfig) -> None:
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if cfg.cluster.address:
+        logger.info("joining Ray cluster at %s", cfg.cluster.address)
+        ray.init(address=cfg.cluster.address, log_to_driver=True)
+    else:
+        ray.init(num_cpus=cfg.cluster.num_cpus or os.cpu_count(), include_dashboard=False,
+                 _node_ip_address="127.0.0.1", log_to_driver=True, configure_logging=False)
+
+
+def _split(items: Sequence[Any], parts: int) -> list[list[Any]]:
+    size = -(-len(items) // parts)
+    return [list(items[i * size : (i + 1) * size]) for i in range(parts)]
+
+
+class Workers:
+    """Every actor of a run, with batch-level operations for the loop."""
+
+    def __init__(self, cfg: GRPOConfig) -> None:
+        self.cfg = cfg
+        gpus = cfg.cluster.gpus_per_node
+        world = cfg.cluster.train_world_size
+        threads = max(1, (os.cpu_count() or 1) // max(world, 1)) if not gpus else 4
+        share = 0.5 if cfg.generation.colocated else 1.0
+        policy_opts = {"num_cpus": 0, "num_gpus": share if gpus else 0}
+        master = (ray.util.get_node_ip_address() if cfg.cluster.address else "127.0.0.1", free_port())
+        with_reference = cfg.loss.kl_coef != 0.0
+        self.policy = [
+            PolicyWorker.options(**policy_opts).remote(cfg.policy, rank, world, master,
+                                                       with_reference=with_reference, num_threads=threads)
+            for rank in range(world)
+        ]
+        gen_opts = {"num_cpus": 0, "num_gpus": share if gpus else 0}
+        self.generators = [
+            GenerationWorker.options(**gen_opts).remote(cfg.generation.backend, cfg.policy.model_name,
+                                                        cfg.generation.backend_kwargs, num_threads=threads)
+            for _ in range(cfg.generation.num_workers)
+        ]
+        self.rewarders = [RewardWorker.options(num_cpus=0).remote(cfg.env.name, cfg.env.kwargs)]
+        self.dp_layout = ray.get([w.layout.remote() for w in self.policy])  # (dp_rank, dp_size) per rank
+        self.dp_size = self.dp_layout[0][1]
+        host, port = "127.0.0.1" if not cfg.cluster.address else master[0], free_port()
+        refit_world = 1 + len(self.generators)
+        ray.get([w.join_refit.remote(host, port, refit_world) for w in self.policy]
+                + [g.join_refit.remote(host, port, i + 1, refit_world) for i, g in enumerate(self.generators)])
+        logger.info("workers up: %d policy ranks (dp=%d), %d generation, %d reward", world, self.dp_size,
+                    len(self.generators), len(self.rewarders))
+
+    # ---- policy --------------------------------------------------------------------------------------
+    def _shards(self, batch: TokenBatch) -> list[list[int]]:
+        return balance_partitions(batch.lengths, self.dp_size, method="kk", equal_size=True)
+
+    def compute_logprobs(self, batch: TokenBatch, reference: bool = False) -> list[torch.Tensor]:
+        shards = self._shards(batch)
+        futures = [w.compute_logprobs.remote(batch.select(shards[dp]), reference)
+                   for w, (dp, _) in zip(self.policy, self.dp_layout)]
+        per_rank = ray.get(futures)
+        out: list[torch.Tensor | None] = [None] * len(batch)
+        for (dp, _), result in zip(self.dp_layout, per_rank):
+            for index, logprobs in zip(shards[dp], result):
+                out[index] = logprobs
+        return out  # type: ignore[return-value]
+
+    def train(self, batch: TokenBatch, loss_fn: Any) -> dict[str, float]:
+        """One optimizer step per global batch of `policy.train_global_batch_size` sequences."""
+        size = self.cfg.policy.train_global_batch_size
+        steps = []
+        for start in range(0, len(batch), size):
+            part = batch.select(range(start, min(start + size, len(batch))))
+            shards = self._shards(part)
+            results = ray.get([w.train.remote(part.select(shards[dp]), loss_fn)
+                               for w, (dp, _) in zip(self.policy, self.dp_layout)])
+            steps.append(results[0])  # metrics are already reduced over DP inside the engine
+        merged = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+        return merged
+
+    def save_checkpoint(self, path: str) -> None:
+        ray.get([w.save_checkpoint.remote(path) for w in self.policy])
+
+    def load_checkpoint(self, path: str) -> None:
+        ray.get([w.load_checkpoint.remote(path) for w in self.policy])
+
+    # ---- generation and rewards ------------------------------------------------------------------------
+    def refit(self) -> int:
+        sent = ray.get([w.send_weights.remote() for w in self.policy]
+                       + [g.receive_weights.remote() for g in self.generators])
+        return int(sent[0])
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        colocated = self.cfg.generation.colocated
+        if colocated:
+            ray.get([w.offload.remote() for w in self.policy] + [g.wake.remote() for g in self.generators])
+        parts = _split(prompts, len(self.generators))
+        results = ray.get([g.generate.remote(p, params) for g, p in zip(self.generators, parts) if p])
+        if colocated:
+            ray.get([g.sleep.remote() for g in self.generators] + [w.onload.remote() for w in self.policy])
+        out, offset = [], 0
+        for part, completions in zip((p for p in parts if p), results):
+            for c in completions:
+                c.prompt_index += offset
+                out.append(c)
+            offset += len(part)
+        return out
+
+    def score(self, requests: list[RewardRequest]) -> list[RewardResult]:
+        parts = _split(requests, len(self.rewarders))
+        return [r for part in ray.get([w.score.remote(p) for w, p in zip(self.rewarders, parts) if p]) for r in part]
+
+    def shutdown(self) -> None:
+        for actor in (*self.policy, *self.generators, *self.rewarders):
+            ray.kill(actor)

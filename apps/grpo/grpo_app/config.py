@@ -1,0 +1,189 @@
+"""The trainer's config: one `GRPOConfig` tree, loaded from YAML with `defaults:` inheritance and
+dotted command-line overrides, validated before any worker starts.
+
+Owns: the YAML loader, override parsing, and the trainer-level sections (grpo, generation, env,
+cluster, logger, checkpointing). Reuses the packages' own schemas for `policy` (rl_core.config) and
+`loss` (rl_core.losses); engine-specific sections are validated by the engine when it is built and,
+early, by `validate_engine_section` here.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from rl_core.config import ConfigError, PolicyConfig, parse_config, unknown_key_error
+from rl_core.losses import LossConfig
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_CONFIG = CONFIG_DIR / "cpu_default.yaml"
+
+
+@dataclass(kw_only=True)
+class GRPOSettings:
+    """`grpo.*`: the outer loop."""
+
+    num_prompts_per_step: int = 16
+    num_generations_per_prompt: int = 8
+    max_steps: int = 100
+    val_every: int = 10  # validate before step 0, every N steps and after the last; 0 disables
+    num_val_prompts: int = 64
+    seed: int = 42
+    normalize_std: bool = True
+    leave_one_out: bool = False
+    advantage_clip: float | None = None
+    dynamic_sampling: bool = False  # DAPO: drop zero-variance groups and refill from new prompts
+    max_dynamic_sampling_rounds: int = 4
+    overlong_filtering: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_generations_per_prompt < 2:
+            raise ConfigError(
+                f"grpo.num_generations_per_prompt must be >= 2 for a group baseline; got "
+                f"{self.num_generations_per_prompt}"
+            )
+
+
+@dataclass(kw_only=True)
+class GenerationConfig:
+    """`generation.*`: the rollout backend and its sampling settings."""
+
+    backend: str = "torch"
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    num_workers: int = 1
+    colocated: bool = True  # share devices with training: sleep/wake around each phase
+    backend_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class EnvConfig:
+    """`env.*`: the reward environment and its prompts."""
+
+    name: str = "toy"
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    train_data: str | None = None  # JSONL/Parquet of prompts; None: the environment's own prompts
+    val_data: str | None = None
+    use_chat_template: bool = False
+
+
+@dataclass(kw_only=True)
+class ClusterConfig:
+    """`cluster.*`: where the workers run."""
+
+    address: str | None = None  # join an existing Ray cluster ("auto" or host:port); None starts a local one
+    num_nodes: int = 1
+    gpus_per_node: int = 0  # 0: CPU training with gloo
+    train_world_size: int = 1  # policy ranks = dp x tp x pp x cp
+    num_cpus: int | None = None
+
+
+@dataclass(kw_only=True)
+class LoggerConfig:
+    log_dir: str = "runs/grpo"
+    tensorboard: bool = True
+    plot: bool = True
+    progress_bar: bool = True
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    enabled: bool = True
+    dir: str | None = None  # default: <logger.log_dir>/checkpoints
+    save_every: int = 10
+    keep_top_k: int = 2
+    metric: str = "val/reward_mean"
+    higher_is_better: bool = True
+
+
+@dataclass(kw_only=True)
+class GRPOConfig:
+    policy: PolicyConfig
+    loss: LossConfig = field(default_factory=LossConfig)
+    grpo: GRPOSettings = field(default_factory=GRPOSettings)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    checkpointing: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self) -> None:
+        if self.generation.temperature != self.policy.temperature:
+            raise ConfigError(
+                f"generation.temperature={self.generation.temperature} but policy.temperature="
+                f"{self.policy.temperature}: the trainer's logprobs must use the sampling temperature; set both"
+            )
+        samples = self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
+        if samples % self.policy.train_global_batch_size:
+            raise ConfigError(
+                f"policy.train_global_batch_size={self.policy.train_global_batch_size} must divide the "
+                f"samples per step (grpo.num_prompts_per_step x num_generations_per_prompt = {samples})"
+            )
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpointing.dir or Path(self.logger.log_dir) / "checkpoints")
+
+
+# ---- loading --------------------------------------------------------------------------------------------
+
+
+def _merge(base: dict, override: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def load_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
+    """Read a YAML config, resolving `defaults: other.yaml` (relative to the file) recursively."""
+    path = Path(path).resolve()
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist (--config); shipped configs: {sorted(p.name for p in CONFIG_DIR.glob('*.yaml'))}")
+    if path in _seen:
+        raise ConfigError(f"config 'defaults:' cycle: {' -> '.join(str(p) for p in (*_seen, path))}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+    parents = data.pop("defaults", None)
+    merged: dict = {}
+    for parent in [parents] if isinstance(parents, str) else parents or []:
+        merged = _merge(merged, load_yaml(path.parent / parent, (*_seen, path)))
+    return _merge(merged, data)
+
+
+def apply_override(data: dict, assignment: str) -> None:
+    """Apply one `dotted.key=value` (value parsed as YAML) in place; unknown paths fail at validation."""
+    if "=" not in assignment:
+        raise ConfigError(f"override {assignment!r} is not of the form dotted.key=value")
+    dotted, raw = assignment.split("=", 1)
+    keys = dotted.strip().split(".")
+    node = data
+    for depth, key in enumerate(keys[:-1]):
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted!r}: '{'.'.join(keys[: depth + 1])}' is a value, not a section")
+        node = child
+    node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> GRPOConfig:
+    """The validated config from a YAML file (default: the CPU default) plus dotted overrides."""
+    data = load_yaml(path or DEFAULT_CONFIG)
+    for assignment in overrides:
+        apply_override(data, assignment)
+    names = [f for f in GRPOConfig.__dataclass_fields__]
+    for key in data:
+        if key not in names:
+            raise unknown_key_error("", key, names)
+    return parse_config(GRPOConfig, data)

@@ -1,0 +1,198 @@
+"""The GRPO loop: prompts -> completions -> rewards -> advantages -> logprobs -> train -> refit -> log.
+
+`grpo_step` is one step, read top to bottom; `train` is the outer loop with validation and checkpoints.
+Variant choices (advantage baseline, std normalisation, KL, aggregation) live in rl_core; this file
+only wires them in the order of the algorithm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from grpo_app.checkpoint import CheckpointManager
+from grpo_app.cluster import Workers
+from grpo_app.config import GRPOConfig
+from grpo_app.metrics_sink import MetricsSink
+from grpo_app.prompts import PromptItem, PromptSource
+from rl_core.advantages import grpo_advantages
+from rl_core.batch import TokenBatch
+from rl_core.filters import dynamic_sampling_keep
+from rl_core.interfaces import Completion, RewardRequest, SamplingParams
+from rl_core.losses import ClippedPGLoss
+
+logger = logging.getLogger(__name__)
+
+
+class PhaseTimer:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+
+@dataclass
+class Run:
+    """Everything one training run holds; built by main.py."""
+
+    cfg: GRPOConfig
+    workers: Workers
+    tokenizer: Any
+    train_prompts: PromptSource
+    val_prompts: list[PromptItem]
+    sink: MetricsSink
+    checkpoints: CheckpointManager | None
+    loss_fn: ClippedPGLoss
+
+
+def sampling_params(cfg: GRPOConfig, step: int, *, n: int, greedy: bool = False) -> SamplingParams:
+    # The seed depends on the step alone, so a resumed run samples exactly what the original did.
+    return SamplingParams(n=n, temperature=0.0 if greedy else cfg.generation.temperature, top_p=cfg.generation.top_p,
+                          top_k=cfg.generation.top_k, max_new_tokens=cfg.generation.max_new_tokens,
+                          stop_token_ids=[], seed=cfg.grpo.seed * 1_000_003 + step)
+
+
+def rollout(run: Run, prompts: list[PromptItem], params: SamplingParams, timer: PhaseTimer):
+    """Generate `params.n` completions per prompt and score them; returns completions, rewards, results."""
+    with timer("generate"):
+        completions = run.workers.generate([p.token_ids for p in prompts], params)
+    with timer("reward"):
+        requests = [RewardRequest(prompt=prompts[c.prompt_index].text, metadata=prompts[c.prompt_index].metadata,
+                                  completion=run.tokenizer.decode(c.token_ids, skip_special_tokens=True))
+                    for c in completions]
+        results = run.workers.score(requests)
+    rewards = torch.tensor([r.reward for r in results], dtype=torch.float32)
+    return completions, rewards, results
+
+
+def build_batch(prompts: list[PromptItem], completions: list[Completion], advantages: torch.Tensor,
+                overlong_filtering: bool) -> TokenBatch:
+    """Prompt + completion token rows; loss on completion tokens; sampler logprobs aligned to tokens."""
+    input_ids, loss_mask, adv, gen = [], [], [], []
+    for c, a in zip(completions, advantages.tolist()):
+        prompt = prompts[c.prompt_index].token_ids
+        n_prompt, n_total = len(prompt), len(prompt) + len(c.token_ids)
+        input_ids.append(torch.tensor(prompt + c.token_ids, dtype=torch.long))
+        mask = torch.zeros(n_total)
+        if not (overlong_filtering and c.finish_reason == "length"):
+            mask[n_prompt:] = 1.0
+        loss_mask.append(mask)
+        adv.append(torch.full((n_total,), a))
+        gen.append(torch.cat([torch.zeros(n_prompt), torch.tensor(c.logprobs, dtype=torch.float32)]))
+    return TokenBatch(input_ids=input_ids, loss_mask=loss_mask, advantages=adv, gen_logprobs=gen)
+
+
+def sample_groups(run: Run, step: int, timer: PhaseTimer):
+    """Prompts and their scored groups; with DAPO dynamic sampling, zero-variance groups are refilled."""
+    cfg = run.cfg.grpo
+    g = cfg.num_generations_per_prompt
+    prompts, completions, rewards, results = [], [], [], []
+    for round_ in range(cfg.max_dynamic_sampling_rounds if cfg.dynamic_sampling else 1):
+        need = cfg.num_prompts_per_step - len(prompts)
+        new_prompts = run.train_prompts.next_batch(need)
+        new_c, new_r, new_res = rollout(run, new_prompts, sampling_params(run.cfg, step * 16 + round_, n=g), timer)
+        keep = torch.ones(len(new_c), dtype=torch.bool)
+        if cfg.dynamic_sampling:
+            keep = dynamic_sampling_keep(new_r, torch.tensor([c.prompt_index for c in new_c]))
+        for index, prompt in enumerate(new_prompts):
+            rows = [i for i, c in enumerate(new_c) if c.prompt_index == index]
+            if not all(keep[i] for i in rows) and round_ < cfg.max_dynamic_sampling_rounds - 1:
+                continue
+            for i in rows:
+                new_c[i].prompt_index = len(prompts)
+                completions.append(new_c[i])
+                results.append(new_res[i])
+            rewards.append(new_r[rows])
+            prompts.append(prompt)
+        if len(prompts) >= cfg.num_prompts_per_step:
+            break
+    return prompts, completions, torch.cat(rewards), results
+
+
+def grpo_step(run: Run, step: int) -> dict[str, float]:
+    cfg, timer = run.cfg, PhaseTimer()
+    start = time.perf_counter()
+    prompts, completions, rewards, results = sample_groups(run, step, timer)
+    group_ids = torch.tensor([c.prompt_index for c in completions])
+    advantages = grpo_advantages(rewards, group_ids, normalize_std=cfg.grpo.normalize_std,
+                                 leave_one_out=cfg.grpo.leave_one_out, clip=cfg.grpo.advantage_clip)
+    batch = build_batch(prompts, completions, advantages, cfg.grpo.overlong_filtering)
+    with timer("logprobs"):
+        batch = batch.with_fields(prev_logprobs=run.workers.compute_logprobs(batch))
+        if cfg.loss.kl_coef:
+            batch = batch.with_fields(ref_logprobs=run.workers.compute_logprobs(batch, reference=True))
+    with timer("train"):
+        train_metrics = run.workers.train(batch, run.loss_fn)
+    with timer("refit"):
+        run.workers.refit()
+    lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float32)
+    metrics = {f"train/{k}": v for k, v in train_metrics.items()}
+    metrics.update(rollout_metrics(rewards, results, completions, lengths, timer))
+    metrics["rollout/advantages_abs_mean"] = float(advantages.abs().mean())
+    metrics.update({f"timing/{k}_s": v for k, v in timer.seconds.items()})
+    metrics["timing/step_s"] = time.perf_counter() - start
+    return metrics
+
+
+def rollout_metrics(rewards, results, completions, lengths, timer: PhaseTimer) -> dict[str, float]:
+    correct = [r.correct for r in results if r.correct is not None]
+    return {
+        "rollout/reward_mean": float(rewards.mean()),
+        "rollout/reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+        "rollout/accuracy": sum(correct) / len(correct) if correct else float("nan"),
+        "rollout/reward_errors": float(sum(r.error is not None for r in results)),
+        "rollout/gen_len_mean": float(lengths.mean()),
+        "rollout/gen_len_max": float(lengths.max()),
+        "rollout/truncated_fraction": sum(c.finish_reason == "length" for c in completions) / len(completions),
+        "rollout/tokens_per_s": float(lengths.sum()) / max(timer.seconds.get("generate", 0.0), 1e-9),
+    }
+
+
+def validate(run: Run, step: int) -> dict[str, float]:
+    """Greedy completions of the held-out prompts (deterministic, so the curve is not sampling noise)."""
+    timer = PhaseTimer()
+    _, rewards, results = rollout(run, run.val_prompts, sampling_params(run.cfg, step, n=1, greedy=True), timer)
+    correct = [r.correct for r in results if r.correct is not None]
+    out = {"val/reward_mean": float(rewards.mean())}
+    if correct:
+        out["val/accuracy"] = sum(correct) / len(correct)
+    return out
+
+
+def trainer_state(run: Run, step: int, metric: float | None) -> dict[str, Any]:
+    return {"step": step, "prompts": run.train_prompts.state_dict(), "checkpoint_metric": metric}
+
+
+def train(run: Run, start_step: int = 0) -> None:
+    """The outer loop: validate, step, log, checkpoint."""
+    cfg = run.cfg.grpo
+    from tqdm import tqdm
+
+    bar = tqdm(range(start_step, cfg.max_steps), initial=start_step, total=cfg.max_steps, desc="GRPO",
+               disable=not run.cfg.logger.progress_bar)
+    last_val: dict[str, float] = {}
+    for step in bar:
+        metrics = {}
+        if cfg.val_every and step % cfg.val_every == 0:
+            last_val = metrics = validate(run, step)
+        metrics.update(grpo_step(run, step))
+        run.sink.log(step, metrics)
+        bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}", loss=f"{metrics.get('train/loss', 0):.4f}")
+        done = step + 1 == cfg.max_steps
+        if done and cfg.val_every:
+            last_val = validate(run, step + 1)
+            run.sink.log(step + 1, last_val)
+        ckpt = run.cfg.checkpointing
+        if run.checkpoints is not None and ((step + 1) % ckpt.save_every == 0 or done):
+            metric = last_val.get(ckpt.metric, metrics.get(ckpt.metric))
+            run.checkpoints.save(step + 1, run.workers.save_checkpoint, trainer_state(run, step + 1, metric))

@@ -1,0 +1,62 @@
+"""Entry point: `uv run apps/grpo [--config FILE] [dotted.key=value ...]`.
+
+Parses and validates the whole config, checks inputs before any worker starts, builds the run,
+resumes from the latest checkpoint in the run directory if there is one, trains, and prints a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import yaml
+
+from grpo_app.config import GRPOConfig, load_config
+from grpo_app.preflight import preflight
+from rl_core.config import ConfigError, to_dict
+
+logger = logging.getLogger("grpo")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="uv run apps/grpo", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", help="YAML config (default: apps/grpo/configs/cpu_default.yaml)")
+    parser.add_argument("--log-level", default="INFO", help="Python logging level")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. grpo.max_steps=5")
+    return parser.parse_args(argv)
+
+
+def run_training(cfg: GRPOConfig) -> dict[str, float]:
+    """Build the workers and run the loop; returns the final validation metrics."""
+    from grpo_app.build import build_run, resume
+
+    log_dir = Path(cfg.logger.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    (log_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    logger.info("resolved config (saved to %s):\n%s", log_dir / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    run = build_run(cfg)
+    try:
+        from grpo_app.loop import train
+
+        train(run, start_step=resume(run))
+        if cfg.logger.plot:
+            logger.info("plot: %s", run.sink.plot(log_dir / "summary.png"))
+        logger.info("summary:\n%s", run.sink.summary())
+        _, val = run.sink.series("val/reward_mean")
+        return {"val_reward_first": val[0], "val_reward_last": val[-1]} if val else {}
+    finally:
+        run.sink.close()
+        run.workers.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = preflight(load_config(args.config, args.overrides))
+    except (ConfigError, FileNotFoundError, ValueError) as exc:
+        logger.error("%s", exc)
+        return 2
+    run_training(cfg)
+    return 0

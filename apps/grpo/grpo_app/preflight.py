@@ -1,0 +1,57 @@
+"""Checks that run before any worker starts: every input the run needs exists and is valid.
+
+Resolves `tiny:<arch>` model names to a locally built, cached tiny checkpoint (the CPU default), and
+asks the registries for the engine, generation backend and environment, so that a typo or a missing
+package fails here with a message naming the key, not minutes later inside a Ray actor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+from grpo_app.config import GRPOConfig
+from rl_core.config import ConfigError
+from rl_core.registry import ENGINES, GENERATION_BACKENDS
+
+logger = logging.getLogger(__name__)
+TINY_PREFIX = "tiny:"
+
+
+def resolve_model(cfg: GRPOConfig) -> GRPOConfig:
+    name = cfg.policy.model_name
+    if name.startswith(TINY_PREFIX):
+        from rl_core.testing.tiny_models import ARCHITECTURES, cached_tiny_checkpoint
+
+        arch = name[len(TINY_PREFIX):]
+        if arch not in ARCHITECTURES:
+            raise ConfigError(f"policy.model_name={name!r}: tiny architectures are {list(ARCHITECTURES)}")
+        path = cached_tiny_checkpoint(arch, seed=cfg.grpo.seed)
+        logger.info("policy.model_name=%s -> tiny %s checkpoint built locally at %s", name, arch, path)
+        name = str(path)
+    if not (Path(name) / "config.json").is_file():
+        raise ConfigError(
+            f"policy.model_name={name!r} is not a local Hugging Face checkpoint directory (no config.json); "
+            "point it at a directory saved with save_pretrained, or use tiny:<arch> for a local toy model"
+        )
+    return dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, model_name=name))
+
+
+def preflight(cfg: GRPOConfig) -> GRPOConfig:
+    """Validate what the config points at; returns the config with the model path resolved."""
+    cfg = resolve_model(cfg)
+    engine_cls = ENGINES.get(cfg.policy.engine_name, config_key=f"policy.{cfg.policy.engine_name}_cfg.enabled")
+    validate = getattr(engine_cls, "validate_config", None)
+    if validate is not None:
+        validate(cfg.policy)
+    GENERATION_BACKENDS.get(cfg.generation.backend, config_key="generation.backend")
+    from rollout import available_environments
+
+    if cfg.env.name not in available_environments():
+        raise ConfigError(f"env.name={cfg.env.name!r} is not known; choose one of {available_environments()}")
+    for key in ("train_data", "val_data"):
+        path = getattr(cfg.env, key)
+        if path is not None and not Path(path).is_file():
+            raise ConfigError(f"env.{key}={path!r} does not exist")
+    return cfg

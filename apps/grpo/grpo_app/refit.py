@@ -1,0 +1,76 @@
+"""Weight refit: stream the policy's full HF-named tensors into the generation workers.
+
+Tensors travel over a dedicated torch.distributed group (gloo on CPU, NCCL on GPU) between policy
+rank 0 (group rank 0) and every generation worker, never through Ray's object store. The group is a
+standalone process group over its own TCPStore, so it does not disturb the policy's training group.
+Each tensor is preceded by a small header (name, dtype, shape) so the receiver needs no side channel;
+a header with name length -1 ends the stream.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+MAX_NAME_BYTES = 512
+MAX_DIMS = 8
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8,
+          torch.bool, torch.int8]
+
+
+class RefitGroup:
+    """One sender (rank 0) and `world_size - 1` receivers over a standalone gloo/NCCL group."""
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, *, device: str = "cpu",
+                 timeout_s: float = 600.0) -> None:
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore(host, port, world_size, rank == 0, timeout=timeout)
+        if device == "cuda":
+            self.group = dist.ProcessGroupNCCL(store, rank, world_size)
+        else:
+            self.group = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        self.rank, self.device = rank, torch.device(device)
+
+    def _broadcast(self, tensor: Tensor) -> Tensor:
+        self.group.broadcast(tensor, 0).wait()
+        return tensor
+
+    def send(self, named_tensors: Iterable[tuple[str, Tensor]]) -> int:
+        """Broadcast every (name, tensor); returns the number of bytes sent."""
+        total = 0
+        for name, tensor in named_tensors:
+            encoded = name.encode()
+            if len(encoded) > MAX_NAME_BYTES or tensor.dim() > MAX_DIMS:
+                raise ValueError(f"refit cannot send {name!r} with shape {tuple(tensor.shape)}: name or rank too long")
+            header = torch.zeros(3 + MAX_DIMS, dtype=torch.int64)
+            header[:3] = torch.tensor([len(encoded), DTYPES.index(tensor.dtype), tensor.dim()])
+            header[3 : 3 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+            name_buf = torch.zeros(MAX_NAME_BYTES, dtype=torch.uint8)
+            name_buf[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+            self._broadcast(header.to(self.device))
+            self._broadcast(name_buf.to(self.device))
+            self._broadcast(tensor.detach().contiguous().to(self.device))
+            total += tensor.numel() * tensor.element_size()
+        end = torch.zeros(3 + MAX_DIMS, dtype=torch.int64)
+        end[0] = -1
+        self._broadcast(end.to(self.device))
+        return total
+
+    def receive(self) -> Iterator[tuple[str, Tensor]]:
+        """Yield (name, tensor) pairs as they arrive, until the sender's end marker."""
+        while True:
+            header = self._broadcast(torch.zeros(3 + MAX_DIMS, dtype=torch.int64, device=self.device)).cpu()
+            name_len, dtype_code, ndim = (int(x) for x in header[:3])
+            if name_len < 0:
+                return
+            name_buf = self._broadcast(torch.zeros(MAX_NAME_BYTES, dtype=torch.uint8, device=self.device)).cpu()
+            name = bytes(name_buf[:name_len].tolist()).decode()
+            shape = [int(x) for x in header[3 : 3 + ndim]]
+            yield name, self._broadcast(torch.empty(shape, dtype=DTYPES[dtype_code], device=self.device))

@@ -1,0 +1,130 @@
+"""Ray actors that host the parts: policy engine ranks, generation workers, reward workers.
+
+Actors only wrap the packages' objects and move data; no algorithm code lives here. Each policy rank
+joins the training process group (gloo on CPU, NCCL on GPU) and builds its engine through the registry;
+refit tensors move over a separate `RefitGroup`, not Ray's object store.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+import torch
+
+from grpo_app.refit import RefitGroup
+
+logger = logging.getLogger(__name__)
+
+
+def _setup_process(num_threads: int) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    torch.set_num_threads(max(1, num_threads))
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@ray.remote
+class PolicyWorker:
+    """One training rank: a `TrainingEngine` (and, with a KL penalty, a frozen reference engine)."""
+
+    def __init__(self, policy: Any, rank: int, world_size: int, master: tuple[str, int], *,
+                 with_reference: bool, num_threads: int = 1) -> None:
+        import torch.distributed as dist
+
+        from rl_core.registry import create_engine
+
+        _setup_process(num_threads)
+        os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(rank),
+                          WORLD_SIZE=str(world_size), LOCAL_RANK="0")
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        self.rank = rank
+        self.engine = create_engine(policy)
+        self.reference = create_engine(policy) if with_reference else None
+        self.refit: RefitGroup | None = None
+
+    def layout(self) -> tuple[int, int]:
+        return self.engine.dp_rank, self.engine.dp_size
+
+    def compute_logprobs(self, batch: Any, reference: bool = False) -> list[torch.Tensor]:
+        engine = self.reference if reference else self.engine
+        return engine.compute_logprobs(batch)
+
+    def train(self, batch: Any, loss_fn: Any) -> dict[str, float]:
+        return self.engine.train_batch(batch, loss_fn)
+
+    def save_checkpoint(self, path: str) -> None:
+        self.engine.save_checkpoint(path)
+
+    def load_checkpoint(self, path: str) -> None:
+        self.engine.load_checkpoint(path)
+
+    def offload(self) -> None:
+        self.engine.offload()
+
+    def onload(self) -> None:
+        self.engine.onload()
+
+    def join_refit(self, host: str, port: int, world_size: int) -> None:
+        if self.rank == 0:
+            self.refit = RefitGroup(host, port, 0, world_size, device="cuda" if torch.cuda.is_available() else "cpu")
+
+    def send_weights(self) -> int:
+        """Every rank takes part in gathering full tensors; rank 0 broadcasts them to the generators."""
+        weights = self.engine.export_hf_weights()
+        if self.refit is None:
+            for _ in weights:  # the gather is collective over the policy ranks
+                pass
+            return 0
+        return self.refit.send(weights)
+
+
+@ray.remote
+class GenerationWorker:
+    """A `GenerationBackend` (torch or vLLM), chosen by name through the registry."""
+
+    def __init__(self, backend: str, model_path: str, backend_kwargs: dict[str, Any], *, num_threads: int = 1) -> None:
+        from rl_core.registry import create_generation_backend
+
+        _setup_process(num_threads)
+        self.backend = create_generation_backend(backend, model_path=model_path, **backend_kwargs)
+        self.refit: RefitGroup | None = None
+
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: Any) -> list[Any]:
+        return self.backend.generate(prompt_token_ids, params)
+
+    def join_refit(self, host: str, port: int, rank: int, world_size: int) -> None:
+        self.refit = RefitGroup(host, port, rank, world_size, device="cuda" if torch.cuda.is_available() else "cpu")
+
+    def receive_weights(self) -> None:
+        self.backend.update_weights(self.refit.receive())
+
+    def sleep(self) -> None:
+        self.backend.sleep()
+
+    def wake(self) -> None:
+        self.backend.wake()
+
+
+@ray.remote
+class RewardWorker:
+    """An `Environment`; it runs untrusted scoring in its own subprocess pool with time limits."""
+
+    def __init__(self, name: str, kwargs: dict[str, Any]) -> None:
+        from rollout import create_environment
+
+        _setup_process(1)
+        self.env = create_environment(name, **kwargs)
+
+    def score(self, requests: list[Any]) -> list[Any]:
+        return self.env.score(requests)
