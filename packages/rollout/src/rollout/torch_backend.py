@@ -1,0 +1,253 @@
+"""`TorchGenerationBackend`: a batched sampler with a KV cache over a Hugging Face causal LM.
+
+The default generation backend where vLLM is not installed (CPU machines, tests). Owns: batching every
+prompt x n sample into one left-padded batch, the decode loop, stop handling, batch compaction and
+weight refit. Does not own sampling math (rollout.sampling) or the logprob convention (rl_core.logprobs).
+
+How it stays fast without per-sequence Python loops:
+- each prompt is prefilled once and its KV cache is repeated n times (samples share the prefix);
+- one decode step is one forward pass over all active rows (per-row positions + attention mask);
+- rows that hit a stop token are dropped from the batch and the KV cache as soon as a quarter of the
+  active rows are finished, so finished sequences stop costing compute.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rl_core.interfaces import Completion, SamplingParams
+from rollout.sampling import make_generator, sample_next, validate_params
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+class TorchGenerationBackend:
+    """rl-core `GenerationBackend` over `AutoModelForCausalLM` with a dynamic KV cache.
+
+    Args:
+        model_path: a Hugging Face checkpoint directory.
+        dtype: "float32" (default; exact logprobs), "bfloat16" or "float16".
+        device: torch device string.
+        max_num_seqs: most rows (prompt x sample) decoded together; larger requests run in chunks.
+        max_batch_tokens: optional cap on rows x (prompt + max_new_tokens) per chunk (memory bound).
+        compact_fraction: drop finished rows once this share of the active rows has finished.
+        eos_token_ids: stop tokens added to every request; default: the checkpoint's eos ids.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        max_num_seqs: int = 256,
+        max_batch_tokens: int | None = None,
+        compact_fraction: float = 0.25,
+        eos_token_ids: Sequence[int] | None = None,
+        attn_implementation: str = "sdpa",
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        if dtype not in DTYPES:
+            raise ValueError(f"TorchGenerationBackend dtype={dtype!r}; choose one of {sorted(DTYPES)}")
+        if max_num_seqs < 1:
+            raise ValueError(f"TorchGenerationBackend max_num_seqs={max_num_seqs}; expected >= 1")
+        if not 0.0 < compact_fraction <= 1.0:
+            raise ValueError(f"TorchGenerationBackend compact_fraction={compact_fraction}; expected in (0, 1]")
+        self.model_path = str(model_path)
+        self.dtype = DTYPES[dtype]
+        self.device = torch.device(device)
+        self.max_num_seqs = max_num_seqs
+        self.max_batch_tokens = max_batch_tokens
+        self.compact_fraction = compact_fraction
+        self._attn_implementation = attn_implementation
+        self.model = AutoModelForCausalLM.from_pretrained(
+            self.model_path, dtype=self.dtype, attn_implementation=attn_implementation
+        )
+        self.model.to(self.device).eval().requires_grad_(False)
+        config = self.model.config
+        if eos_token_ids is None:
+            gen_cfg = getattr(self.model, "generation_config", None)
+            eos_token_ids = _as_id_list(getattr(config, "eos_token_id", None))
+            eos_token_ids += _as_id_list(getattr(gen_cfg, "eos_token_id", None))
+        self.eos_token_ids = sorted(set(int(t) for t in eos_token_ids))
+        pad = getattr(config, "pad_token_id", None)
+        self.pad_token_id = int(pad) if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        self._sleep_level = 0
+        logger.info("torch generation backend: %s on %s (%s)", self.model_path, self.device, dtype)
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
+        """`params.n` completions per prompt, prompt-major, each with sampled-token logprobs."""
+        if self._sleep_level:
+            raise RuntimeError("TorchGenerationBackend.generate called while asleep; call wake() first")
+        validate_params(params)
+        prompts = [self._check_prompt(i, p) for i, p in enumerate(prompt_token_ids)]
+        stop_ids = torch.tensor(sorted(set(self.eos_token_ids) | {int(t) for t in params.stop_token_ids}),
+                                dtype=torch.long, device=self.device)
+        generator = make_generator(params.seed, self.device)
+        completions: list[Completion] = []
+        for start, stop in self._chunks(prompts, params):
+            tokens, logprobs, lengths, stopped = self._generate_chunk(prompts[start:stop], params, stop_ids, generator)
+            tokens_l, logprobs_l = tokens.tolist(), logprobs.tolist()
+            for row, (length, was_stopped) in enumerate(zip(lengths.tolist(), stopped.tolist())):
+                completions.append(Completion(
+                    prompt_index=start + row // params.n,
+                    token_ids=tokens_l[row][:length],
+                    logprobs=logprobs_l[row][:length],
+                    finish_reason="stop" if was_stopped else "length",
+                ))
+        return completions
+
+    def _check_prompt(self, index: int, prompt: Sequence[int]) -> list[int]:
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError(f"prompt_token_ids[{index}] is empty; every prompt needs at least one token")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt_token_ids[{index}] holds token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})"
+            )
+        return ids
+
+    def _chunks(self, prompts: list[list[int]], params: SamplingParams) -> Iterable[tuple[int, int]]:
+        """Ranges of whole prompts whose rows (prompts x n) fit max_num_seqs / max_batch_tokens."""
+        per_chunk = max(1, self.max_num_seqs // params.n)
+        if self.max_batch_tokens is not None:
+            longest = max(len(p) for p in prompts) + params.max_new_tokens
+            per_chunk = min(per_chunk, max(1, self.max_batch_tokens // (longest * params.n)))
+        for start in range(0, len(prompts), per_chunk):
+            yield start, min(start + per_chunk, len(prompts))
+
+    @torch.inference_mode()
+    def _generate_chunk(
+        self, prompts: list[list[int]], params: SamplingParams, stop_ids: Tensor, generator: torch.Generator
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Decode one chunk; returns tokens (B, T), logprobs (B, T), lengths (B,), stopped (B,)."""
+        from transformers import DynamicCache
+
+        n, max_new = params.n, params.max_new_tokens
+        num_rows = len(prompts) * n
+        dev = self.device
+        cache = DynamicCache(config=self.model.config)
+        logits, attn = self._prefill(prompts, cache)  # (P, V), (P, Lp)
+        if n > 1:  # samples of a prompt share its prefill
+            cache.batch_repeat_interleave(n)
+            logits, attn = logits.repeat_interleave(n, dim=0), attn.repeat_interleave(n, dim=0)
+        next_pos = attn.sum(dim=-1)  # (B,) position of the next token of each row
+        rows = torch.arange(num_rows, device=dev)  # original row of each active row
+        out_tokens = torch.full((num_rows, max_new), self.pad_token_id, dtype=torch.long, device=dev)
+        out_logprobs = torch.zeros((num_rows, max_new), dtype=torch.float32, device=dev)
+        lengths = torch.full((num_rows,), max_new, dtype=torch.long, device=dev)
+        stopped = torch.zeros(num_rows, dtype=torch.bool, device=dev)
+        done = torch.zeros(num_rows, dtype=torch.bool, device=dev)  # per active row
+        for step in range(max_new):
+            tokens, logprobs = sample_next(logits, params, generator)  # (b,), (b,)
+            out_tokens[rows, step] = tokens
+            out_logprobs[rows, step] = logprobs
+            newly = torch.isin(tokens, stop_ids) & ~done
+            lengths[rows[newly]] = step + 1
+            stopped[rows[newly]] = True
+            done |= newly
+            num_done = int(done.sum())
+            if step == max_new - 1 or num_done == rows.numel():
+                break
+            if num_done and num_done >= self.compact_fraction * rows.numel():
+                keep = (~done).nonzero().squeeze(-1)
+                cache.batch_select_indices(keep)
+                rows, attn, next_pos, tokens = rows[keep], attn[keep], next_pos[keep], tokens[keep]
+                done = done[keep]
+            attn = torch.cat([attn, attn.new_ones(rows.numel(), 1)], dim=-1)
+            out = self.model(input_ids=tokens[:, None], attention_mask=attn, position_ids=next_pos[:, None],
+                             past_key_values=cache, use_cache=True)
+            logits = out.logits[:, -1, :]
+            next_pos = next_pos + 1
+        return out_tokens.cpu(), out_logprobs.cpu(), lengths.cpu(), stopped.cpu()
+
+    def _prefill(self, prompts: list[list[int]], cache: Any) -> tuple[Tensor, Tensor]:
+        """Left-padded forward of the prompts; returns last-position logits (P, V) and the mask (P, Lp)."""
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        attn = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):  # builds the padded input once per chunk, not per token
+            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            attn[i, width - len(p):] = 1
+        ids, attn = ids.to(self.device), attn.to(self.device)
+        positions = (attn.cumsum(dim=-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=positions, past_key_values=cache,
+                         use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1, :], attn
+
+    # ------------------------------------------------------------------ refit and memory
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into the model in place.
+
+        Strict: an unknown name or a shape mismatch raises ValueError. Tensors are checked and copied one
+        at a time (streaming), so after an error the weights are partly updated: refit again.
+        """
+        if self._sleep_level == 2:
+            raise RuntimeError("update_weights called after sleep(level=2) discarded the weights; call wake() first")
+        targets = dict(self.model.named_parameters(remove_duplicate=False))
+        targets.update(self.model.named_buffers(remove_duplicate=False))
+        count = 0
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                target = targets.get(name)
+                if target is None:
+                    example = next(iter(targets))
+                    raise ValueError(
+                        f"update_weights: {name!r} is not a weight of {type(self.model).__name__} "
+                        f"({self.model_path}); expected Hugging Face names such as {example!r}"
+                    )
+                if tuple(tensor.shape) != tuple(target.shape):
+                    raise ValueError(
+                        f"update_weights: {name!r} has shape {tuple(tensor.shape)}; the model expects "
+                        f"{tuple(target.shape)}"
+                    )
+                target.copy_(tensor.detach().to(device=target.device, dtype=target.dtype))
+                count += 1
+        logger.debug("update_weights: loaded %d tensors", count)
+
+    def sleep(self, level: int = 1) -> None:
+        """Release memory: level 1 moves weights to host memory (no-op on CPU); level 2 discards them.
+
+        The KV cache lives only inside `generate`, so there is none to drop between calls. After level 2,
+        `wake()` reloads the checkpoint from `model_path`; refit (update_weights) to get the policy back.
+        """
+        if level not in (1, 2):
+            raise ValueError(f"sleep(level={level}); expected 1 (offload weights) or 2 (discard weights)")
+        if level == 2:
+            self.model.to("meta")
+        elif self.device.type != "cpu":
+            self.model.to("cpu")
+        self._sleep_level = level
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake(self) -> None:
+        """Undo `sleep`: bring the weights back to the device (reloading them after level 2)."""
+        if self._sleep_level == 2:
+            from transformers import AutoModelForCausalLM
+
+            self.model = AutoModelForCausalLM.from_pretrained(
+                self.model_path, dtype=self.dtype, attn_implementation=self._attn_implementation
+            )
+            self.model.eval().requires_grad_(False)
+        self.model.to(self.device)
+        self._sleep_level = 0

@@ -1,0 +1,147 @@
+"""TorchGenerationBackend against independent references: HF `generate`, a fresh HF forward pass, a
+backend built from the new weights, and the shared contract of rl_core.testing.contracts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from rl_core.importance import importance_weights
+from rl_core.interfaces import SamplingParams
+from rl_core.logprobs import target_logprobs
+from rl_core.testing.contracts import check_generation_backend
+from rl_core.testing.tiny_models import cached_tiny_checkpoint
+from rollout.torch_backend import TorchGenerationBackend
+
+EOS = 2
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """HF generate on one unpadded prompt: the reference greedy continuation."""
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=EOS, pad_token_id=0,
+                         top_k=None, top_p=None, temperature=None)
+    return out[0, len(prompt):].tolist()
+
+
+def hf_logprobs(model, prompt: list[int], completion: list[int], temperature: float) -> torch.Tensor:
+    """Logprobs of `completion` under a fresh single-sequence HF forward pass, logits / T, float32."""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0]
+    return target_logprobs(logits[:-1], ids[0, 1:], temperature)[len(prompt) - 1:]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3"])
+def test_greedy_equals_hf_generate(arch, model_cache, prompts):
+    path = cached_tiny_checkpoint(arch, seed=3, cache_dir=model_cache)
+    backend = TorchGenerationBackend(str(path))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = backend.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=20))
+    for prompt, completion in zip(prompts, out):
+        expected = hf_greedy(hf, prompt, 20)
+        assert completion.token_ids == expected
+        assert completion.finish_reason == ("stop" if expected[-1] == EOS else "length")
+        # Greedy reports logprobs at T = 1.
+        ref = hf_logprobs(hf, prompt, completion.token_ids, 1.0)
+        torch.testing.assert_close(torch.tensor(completion.logprobs), ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 20, 0.9)])
+def test_sampled_logprobs_equal_hf_forward(tiny_ckpt, prompts, temperature, top_k, top_p):
+    backend = TorchGenerationBackend(str(tiny_ckpt))
+    hf = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
+    params = SamplingParams(n=4, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=16, seed=7)
+    out = backend.generate(prompts, params)
+    gen, prev = [], []
+    for c in out:
+        gen.append(torch.tensor(c.logprobs))
+        prev.append(hf_logprobs(hf, prompts[c.prompt_index], c.token_ids, temperature))
+    gen_t, prev_t = torch.cat(gen), torch.cat(prev)
+    assert (gen_t - prev_t).abs().max() <= 1e-5
+    seq_ids = torch.cat([torch.full((len(g),), i) for i, g in enumerate(gen)])
+    _, metrics = importance_weights(prev_t, gen_t, torch.ones_like(gen_t), seq_ids)
+    assert float(metrics["token_mult_prob_error"]) <= 1.0001
+    assert abs(float(metrics["gen_kl"])) <= 1e-5
+
+
+def test_update_weights_equals_backend_built_from_new_weights(tiny_ckpt, tiny_ckpt_other, prompts):
+    refit = TorchGenerationBackend(str(tiny_ckpt))
+    fresh = TorchGenerationBackend(str(tiny_ckpt_other))
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=12, seed=11)
+    before = refit.generate(prompts, params)
+    refit.update_weights(load_file(tiny_ckpt_other / "model.safetensors").items())
+    after, expected = refit.generate(prompts, params), fresh.generate(prompts, params)
+    assert [c.token_ids for c in after] == [c.token_ids for c in expected]
+    assert [c.logprobs for c in after] == [c.logprobs for c in expected]  # exactly
+    assert [c.token_ids for c in after] != [c.token_ids for c in before]  # the refit changed something
+
+
+def test_update_weights_rejects_unknown_names_and_shapes(tiny_ckpt):
+    backend = TorchGenerationBackend(str(tiny_ckpt))
+    with pytest.raises(ValueError, match="model.layers.9.mlp.up_proj.weight.*not a weight"):
+        backend.update_weights([("model.layers.9.mlp.up_proj.weight", torch.zeros(3))])
+    with pytest.raises(ValueError, match=r"lm_head.weight.*shape \(3, 4\).*expects \(128, 128\)"):
+        backend.update_weights([("lm_head.weight", torch.zeros(3, 4))])
+
+
+def test_contract(tiny_ckpt, prompts):
+    check_generation_backend(TorchGenerationBackend(str(tiny_ckpt)), prompts, eos_token_id=EOS)
+
+
+def test_finished_rows_are_dropped_from_the_batch(tiny_ckpt, prompts):
+    """Rows that stop leave the decode batch; results equal a run that never compacts."""
+    backend = TorchGenerationBackend(str(tiny_ckpt), compact_fraction=1e-6)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
+    base = backend.generate(prompts, greedy)
+    # Stop on the 2nd token of prompt 0's greedy continuation: that row must finish early.
+    stop = base[0].token_ids[1]
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=[stop])
+    batch_sizes: list[int] = []
+    hook = backend.model.register_forward_pre_hook(
+        lambda mod, args, kwargs: batch_sizes.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+    out = backend.generate(prompts, params)
+    hook.remove()
+    assert out[0].finish_reason == "stop" and out[0].token_ids[-1] == stop and len(out[0].token_ids) <= 2
+    assert min(batch_sizes[1:]) < len(prompts), f"no compaction happened: {batch_sizes}"
+    lazy = TorchGenerationBackend(str(tiny_ckpt), compact_fraction=1.0)
+    ref = lazy.generate(prompts, params)
+    assert [c.token_ids for c in out] == [c.token_ids for c in ref]
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
+def test_chunking_and_top_k_one(tiny_ckpt, prompts):
+    """Chunks of 2 rows give the unchunked greedy output; top_k=1 sampling is greedy."""
+    whole = TorchGenerationBackend(str(tiny_ckpt))
+    chunked = TorchGenerationBackend(str(tiny_ckpt), max_num_seqs=2)
+    greedy = whole.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=10))
+    assert [c.token_ids for c in chunked.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=10))] \
+        == [c.token_ids for c in greedy]
+    top1 = whole.generate(prompts, SamplingParams(temperature=1.0, top_k=1, max_new_tokens=10, seed=0))
+    assert [c.token_ids for c in top1] == [c.token_ids for c in greedy]
+
+
+def test_seed_changes_samples_and_sleep_level_2_reloads(tiny_ckpt, prompts):
+    backend = TorchGenerationBackend(str(tiny_ckpt))
+    a = backend.generate(prompts, SamplingParams(n=2, max_new_tokens=8, seed=1))
+    b = backend.generate(prompts, SamplingParams(n=2, max_new_tokens=8, seed=2))
+    assert [c.token_ids for c in a] != [c.token_ids for c in b]
+    backend.sleep(level=2)
+    with pytest.raises(RuntimeError, match="wake"):
+        backend.generate(prompts, SamplingParams(max_new_tokens=2))
+    backend.wake()
+    assert [c.token_ids for c in backend.generate(prompts, SamplingParams(n=2, max_new_tokens=8, seed=1))] == \
+        [c.token_ids for c in a]
+
+
+def test_bad_sampling_params_and_prompts(tiny_ckpt):
+    backend = TorchGenerationBackend(str(tiny_ckpt))
+    with pytest.raises(ValueError, match="top_p"):
+        backend.generate([[1, 2]], SamplingParams(top_p=0.0))
+    with pytest.raises(ValueError, match=r"prompt_token_ids\[1\].*outside the vocabulary"):
+        backend.generate([[1, 2], [1, 999]], SamplingParams())
+    with pytest.raises(ValueError, match=r"prompt_token_ids\[0\] is empty"):
+        backend.generate([[]], SamplingParams())
