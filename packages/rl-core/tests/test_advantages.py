@@ -35,7 +35,7 @@ def reference(rewards: list[float], groups: list[int], normalize_std: bool, leav
 
 
 group_batches = st.lists(
-    st.tuples(st.integers(0, 4), st.sampled_from([0.0, 0.5, 1.0, -1.0]) | st.floats(-3, 3, allow_subnormal=False)),
+    st.tuples(st.integers(0, 4), st.sampled_from([0.0, 0.5, 1.0, -1.0]) | st.floats(-3, 3).filter(lambda x: x == 0 or abs(x) > 1e-100)),  # no underflow in x**2
     min_size=1,
     max_size=24,
 )

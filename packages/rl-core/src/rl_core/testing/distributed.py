@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import traceback
 from collections.abc import Callable
@@ -35,7 +36,9 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, qu
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        # Plain pickle: torch's ForkingPickler would pass tensors as shared-memory handles that die
+        # with this process before the parent reads them.
+        queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:  # noqa: BLE001 - report every failure to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -57,7 +60,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, args: tuple = (
         for _ in procs:
             rank, status, payload = queue.get(timeout=timeout)
             if status == "ok":
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
             else:
                 errors.append(f"--- rank {rank} ---\n{payload}")
                 break  # the other ranks may now hang in a collective: stop them below

@@ -1,0 +1,72 @@
+"""YAML loading, `defaults:` inheritance, dotted overrides and validation errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from grpo_app.config import CONFIG_DIR, apply_override, load_config, load_yaml
+from rl_core.config import ConfigError
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_defaults_inheritance_and_overrides(tmp_path):
+    write(tmp_path / "base.yaml", "policy:\n  model_name: m\n  optimizer: {name: AdamW, kwargs: {lr: 1.0e-5}}\n"
+                                  "grpo: {max_steps: 7, num_prompts_per_step: 4}\n")
+    child = write(tmp_path / "child.yaml", "defaults: base.yaml\ngrpo: {max_steps: 9}\n")
+    cfg = load_config(child, ["grpo.num_generations_per_prompt=4", "policy.optimizer.kwargs.lr=3e-4",
+                              "policy.train_global_batch_size=16"])
+    assert cfg.grpo.max_steps == 9 and cfg.grpo.num_prompts_per_step == 4
+    assert cfg.policy.optimizer.kwargs["lr"] == 3e-4 and cfg.policy.optimizer.name == "AdamW"
+    assert cfg.grpo.num_generations_per_prompt == 4
+
+
+def test_unknown_key_names_the_nearest(tmp_path):
+    path = write(tmp_path / "c.yaml", "policy: {model_name: m}\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'grpo.max_step'.*did you mean 'grpo.max_steps'"):
+        load_config(path, ["grpo.max_step=3"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'polcy'.*did you mean 'policy'"):
+        load_config(path, ["polcy.model_name=x"])
+
+
+def test_wrong_type_is_named(tmp_path):
+    path = write(tmp_path / "c.yaml", "policy: {model_name: m}\n")
+    with pytest.raises(ConfigError, match=r"'grpo.max_steps' must be an integer; got str 'many'"):
+        load_config(path, ["grpo.max_steps=many"])
+
+
+def test_cross_field_checks(tmp_path):
+    path = write(tmp_path / "c.yaml", "policy: {model_name: m}\n")
+    with pytest.raises(ConfigError, match="policy.temperature"):
+        load_config(path, ["generation.temperature=0.7"])
+    with pytest.raises(ConfigError, match="train_global_batch_size"):
+        load_config(path, ["policy.train_global_batch_size=7"])
+
+
+def test_defaults_cycle_and_missing_file(tmp_path):
+    write(tmp_path / "a.yaml", "defaults: b.yaml\n")
+    write(tmp_path / "b.yaml", "defaults: a.yaml\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_yaml(tmp_path / "a.yaml")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_yaml(tmp_path / "missing.yaml")
+
+
+def test_override_syntax_errors():
+    with pytest.raises(ConfigError, match="dotted.key=value"):
+        apply_override({}, "grpo.max_steps")
+    with pytest.raises(ConfigError, match="is a value, not a section"):
+        apply_override({"grpo": 3}, "grpo.max_steps=1")
+
+
+def test_every_shipped_config_validates():
+    configs = sorted(CONFIG_DIR.glob("*.yaml"))
+    assert len(configs) >= 2
+    for path in configs:
+        cfg = load_config(path)
+        assert cfg.policy.model_name
