@@ -1,0 +1,199 @@
+"""From a rank's `TokenBatch` to the micro-batches megatron's schedules consume, and back.
+
+Owns: the micro-batch plan (seqpack's token-budget planner, the same count on every DP rank), the model
+inputs of one micro-batch (padded rows with megatron's causal mask, or one packed row with a
+block-diagonal mask on CPU / THD `PackedSeqParams` with transformer-engine on GPU), the context-parallel
+shard of a packed row (seqpack's load-balanced layout), and reading per-sequence results back out of the
+rows. Does not run the model or the loss.
+
+Position convention: `targets[r, t]` is the token after position t of row r, so the model's logprob at
+position t is log p(token t+1 | <= t); a sequence starting at `start` with length L reads positions
+start .. start+L-2 and is shifted right by one (rl_core's alignment: 0 at t = 0).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import seqpack
+import torch
+import torch.distributed as dist
+from rl_core.batch import TokenBatch
+from rl_core.config import PolicyConfig
+from rl_core.logprobs import shift_align
+from torch import Tensor
+
+from engine_megatron.config import ResolvedSettings
+
+
+@dataclass
+class MicroBatch:
+    """Model inputs of one micro-batch plus what is needed to read results back per sequence."""
+
+    batch: TokenBatch  # the sequences (a one-token dummy when `weight` is 0)
+    tokens: Tensor  # (B, S) long; S is this rank's CP shard length
+    position_ids: Tensor  # (B, S) long
+    targets: Tensor  # (B, S) long, the next token of each position (see module docstring)
+    spans: list[tuple[int, int, int]]  # (row, start, length) of each sequence, in full-row coordinates
+    attention_mask: Tensor | None = None  # (B, 1, S, S) bool, True = masked (CPU packing)
+    packed_seq_params: Any = None  # megatron PackedSeqParams (GPU packing)
+    layout: Any = None  # seqpack.PackedLayout of the packed row
+    weight: float = 1.0  # 0 for the dummy micro-batch of a rank with fewer sequences
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.tokens.shape[0]), int(self.tokens.shape[1])
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def plan(batch: TokenBatch, policy: PolicyConfig, settings: ResolvedSettings, *, training: bool,
+         dp_group: Any = None) -> seqpack.MicroBatchPlan:
+    """Micro-batches of this rank's sequences; every DP rank gets the same count (all-reduce max)."""
+    lengths = batch.lengths
+    if settings.packing:
+        packing = policy.sequence_packing
+        kwargs = dict(max_tokens=packing.train_mb_tokens if training else packing.logprob_mb_tokens,
+                      packing=True, algorithm=packing.algorithm, round_to=settings.pack_multiple)
+    elif policy.dynamic_batching.enabled:
+        dyn = policy.dynamic_batching
+        kwargs = dict(max_tokens=dyn.train_mb_tokens if training else dyn.logprob_mb_tokens,
+                      round_to=math.lcm(dyn.sequence_length_round, settings.seq_multiple))
+    else:
+        kwargs = dict(max_seqs=policy.train_micro_batch_size if training else policy.logprob_batch_size,
+                      round_to=settings.seq_multiple)
+    result = seqpack.plan_micro_batches(lengths, **kwargs)
+    if dist.is_initialized() and dist.get_world_size(dp_group) > 1:
+        count = torch.tensor([len(result.micro_batches)])
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)
+        if int(count) != len(result.micro_batches):
+            result = seqpack.plan_micro_batches(lengths, min_micro_batches=int(count), **kwargs)
+    return result
+
+
+def dummy_batch(like: TokenBatch, length: int) -> TokenBatch:
+    """A one-sequence batch of pad tokens, no loss tokens, with the same optional fields as `like`."""
+    zeros = [torch.zeros(length)]
+    return TokenBatch(
+        input_ids=[torch.zeros(length, dtype=torch.long)], loss_mask=[torch.zeros(length)],
+        advantages=None if like.advantages is None else zeros,
+        prev_logprobs=None if like.prev_logprobs is None else zeros,
+        gen_logprobs=None if like.gen_logprobs is None else zeros,
+        ref_logprobs=None if like.ref_logprobs is None else zeros,
+    )
+
+
+def build_micro_batches(batch: TokenBatch, mb_plan: seqpack.MicroBatchPlan, settings: ResolvedSettings,
+                        *, uniform_shape: bool, cp_rank: int = 0, cp_size: int = 1) -> list[MicroBatch]:
+    """Model inputs for every planned micro-batch (empty ones become zero-weight dummies)."""
+    parts = []
+    for indices in mb_plan.micro_batches:
+        if indices:
+            parts.append((batch.select(indices), 1.0))
+        else:
+            parts.append((dummy_batch(batch, max(2, settings.seq_multiple)), 0.0))
+    if settings.packing:
+        mbs = [_packed(b, w, settings) for b, w in parts]
+    else:
+        mbs = [_padded(b, w, settings) for b, w in parts]
+    if uniform_shape:  # pipeline stages exchange fixed-shape activations: one shape per step
+        rows = max(mb.shape[0] for mb in mbs)
+        cols = max(mb.shape[1] for mb in mbs)
+        mbs = [_pad_to(mb, rows, cols) for mb in mbs]
+    if settings.use_cuda and settings.packing:
+        for mb in mbs:
+            mb.packed_seq_params = _thd_params(mb)
+            mb.attention_mask = None
+    if cp_size > 1:
+        mbs = [_cp_shard(mb, cp_rank, cp_size) for mb in mbs]
+    return mbs
+
+
+def _padded(batch: TokenBatch, weight: float, settings: ResolvedSettings) -> MicroBatch:
+    lengths = batch.lengths
+    cols = _round_up(max(lengths), settings.seq_multiple)
+    tokens = torch.zeros(len(lengths), cols, dtype=torch.long)  # (B, S)
+    for row, ids in enumerate(batch.input_ids):
+        tokens[row, : len(ids)] = ids
+    positions = torch.arange(cols).expand(len(lengths), cols).contiguous()
+    spans = [(row, 0, n) for row, n in enumerate(lengths)]
+    # Padding sits after each sequence and megatron's causal mask hides it from the real tokens.
+    return MicroBatch(batch=batch, tokens=tokens, position_ids=positions, targets=tokens.roll(-1, dims=1),
+                      spans=spans, weight=weight)
+
+
+def _packed(batch: TokenBatch, weight: float, settings: ResolvedSettings) -> MicroBatch:
+    row, layout = seqpack.pack(list(batch.input_ids), pad_multiple=settings.pack_multiple,
+                               total_multiple=max(settings.pack_multiple, settings.seq_multiple))
+    starts = layout.cu_seqlens_padded[:-1].tolist()
+    spans = [(0, int(s), n) for s, n in zip(starts, layout.lengths)]
+    mask = ~seqpack.block_causal_mask(layout)  # (T, T), True = masked (megatron's convention)
+    return MicroBatch(batch=batch, tokens=row[None].long(), position_ids=layout.position_ids[None].long(),
+                      targets=row.roll(-1)[None].long(), spans=spans, attention_mask=mask[None, None],
+                      layout=layout, weight=weight)
+
+
+def _pad_to(mb: MicroBatch, rows: int, cols: int) -> MicroBatch:
+    b, s = mb.shape
+    if (b, s) == (rows, cols):
+        return mb
+    grow = lambda t: torch.nn.functional.pad(t, (0, cols - s, 0, rows - b))  # noqa: E731
+    positions = grow(mb.position_ids)
+    positions[:, s:] = torch.arange(s, cols)
+    mask = mb.attention_mask
+    if mask is not None:  # the new slots attend only to themselves (no empty softmax rows)
+        new = torch.ones(rows, 1, cols, cols, dtype=torch.bool)
+        new[:b, :, :s, :s] = mask
+        idx = torch.arange(s, cols)
+        new[:, :, idx, idx] = False
+        mask = new
+    mb.tokens, mb.position_ids, mb.targets, mb.attention_mask = grow(mb.tokens), positions, grow(mb.targets), mask
+    mb.extra["padded_cols"] = cols
+    return mb
+
+
+def _thd_params(mb: MicroBatch) -> Any:
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    layout = mb.layout
+    padded = layout.cu_seqlens_padded.clone().int()
+    padded[-1] = mb.shape[1]  # tail padding of the row belongs to the last sequence's padding
+    max_len = int((padded[1:] - padded[:-1]).max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=layout.cu_seqlens.int(), cu_seqlens_kv=layout.cu_seqlens.int(),
+                           cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
+                           max_seqlen_q=max_len, max_seqlen_kv=max_len)
+
+
+def _cp_shard(mb: MicroBatch, cp_rank: int, cp_size: int) -> MicroBatch:
+    """This CP rank's chunks (r and 2*CP-1-r of every sequence) of a packed row."""
+    index = seqpack.cp_shard_indices(mb.layout, cp_size, cp_rank)
+    mb.tokens, mb.position_ids, mb.targets = mb.tokens[:, index], mb.position_ids[:, index], mb.targets[:, index]
+    mb.extra["cp"] = (cp_size, cp_rank)
+    return mb
+
+
+def gather_cp(values: Tensor, mb: MicroBatch, group: Any) -> Tensor:
+    """(1, T/CP) per-position values of this CP rank -> (1, T) full row, differentiable."""
+    from torch.distributed.nn.functional import all_gather
+
+    cp_size, _ = mb.extra["cp"]
+    shards = all_gather(values[0].contiguous(), group=group)
+    return seqpack.cp_gather(list(shards), mb.layout, cp_size)[None]
+
+
+def per_sequence(values: Tensor, mb: MicroBatch) -> list[Tensor]:
+    """(B, S) next-token values -> one (L_i,) tensor per sequence, aligned (0 at position 0)."""
+    return [shift_align(values[row, start: start + n - 1]) for row, start, n in mb.spans]
+
+
+def to_device(mbs: Sequence[MicroBatch], device: torch.device) -> None:
+    for mb in mbs:
+        mb.tokens, mb.position_ids, mb.targets = (t.to(device) for t in (mb.tokens, mb.position_ids, mb.targets))
+        if mb.attention_mask is not None:
+            mb.attention_mask = mb.attention_mask.to(device)

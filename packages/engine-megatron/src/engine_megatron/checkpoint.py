@@ -1,0 +1,100 @@
+"""Engine checkpoints with megatron's dist_checkpointing: model, optimizer, scheduler and RNG.
+
+Owns the on-disk layout of an engine checkpoint: one `dist_checkpointing` directory holding the model's
+sharded state, the distributed optimizer's state in the `fully_reshardable` layout (loadable under
+another DP size), the scheduler (common state) and one RNG file per rank. Written into a temporary
+directory beside `path` and renamed into place only after every rank has finished, so a crash never
+leaves a half-written checkpoint under `path`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine_megatron.compat import device_context
+
+logger = logging.getLogger(__name__)
+
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _sharded_state(model: Any, optimizer: Any, scheduler: Any, *, is_loading: bool) -> dict[str, Any]:
+    model_sd = model.module.sharded_state_dict()
+    return {
+        "model": model_sd,
+        "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIMIZER_METADATA),
+        "scheduler": scheduler.state_dict(),  # plain values: common state, written by rank 0
+    }
+
+
+def _rng_state() -> dict[str, Any]:
+    from megatron.core import tensor_parallel
+
+    state = {"cpu": torch.get_rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core import tensor_parallel
+
+    torch.set_rng_state(state["cpu"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save(path: str, model: Any, optimizer: Any, scheduler: Any) -> None:
+    """Write everything under `path` atomically (temp dir + rename after a barrier)."""
+    from megatron.core import dist_checkpointing
+
+    final = Path(path)
+    box = [f".{final.name}.tmp-{uuid.uuid4().hex[:8]}" if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    tmp = final.parent / box[0]
+    if dist.get_rank() == 0:
+        tmp.mkdir(parents=True)  # dist_checkpointing.save wants an existing, empty directory
+    dist.barrier()
+    with device_context():
+        dist_checkpointing.save(_sharded_state(model, optimizer, scheduler, is_loading=False), str(tmp))
+    torch.save(_rng_state(), tmp / f"rng_rank{dist.get_rank()}.pt")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    dist.barrier()
+    logger.info("saved engine checkpoint to %s", final)
+
+
+def load(path: str, model: Any, optimizer: Any, scheduler: Any) -> None:
+    """Restore model, optimizer, scheduler and (when saved with the same world size) this rank's RNG."""
+    from megatron.core import dist_checkpointing
+
+    if not Path(path, "metadata.json").exists():
+        raise ValueError(f"{path} is not an engine checkpoint (no metadata.json); pass a directory that "
+                         "MegatronEngine.save_checkpoint wrote")
+    with device_context():
+        state = dist_checkpointing.load(_sharded_state(model, optimizer, scheduler, is_loading=True), path)
+    missing, unexpected = model.module.load_state_dict(state["model"], strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
+    with torch.no_grad(), device_context():
+        optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    rng_file = Path(path, f"rng_rank{dist.get_rank()}.pt")
+    if rng_file.exists():
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    else:
+        logger.warning("%s has no RNG state for rank %d (saved with another world size): RNG not restored",
+                       path, dist.get_rank())

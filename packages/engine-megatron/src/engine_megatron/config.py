@@ -1,0 +1,222 @@
+"""`policy.megatron_cfg`: the Megatron engine's own config section, and the settings derived from it.
+
+Owns `MegatronConfig` (validated from the raw `policy.megatron_cfg` mapping with rl_core's validator),
+the pass-through of every other key to megatron's `TransformerConfig` (checked against its fields), and
+`resolve_settings`, which turns (policy, megatron_cfg, HF config, world size, device) into the concrete
+settings the engine uses and logs: sequence parallel on with TP > 1, sequence padding for packing,
+CUDA-only fusions, pipeline communication that works under gloo. Does not build anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from rl_core.config import ConfigError, PolicyConfig, closest_key, parse_config
+
+logger = logging.getLogger(__name__)
+
+SECTION = "policy.megatron_cfg"
+# TransformerConfig flags whose kernels exist only with CUDA (shared/notes/megatron-cpu-probe): off
+# without CUDA, on with it, unless the user set them.
+CUDA_FUSIONS = (
+    "gradient_accumulation_fusion",
+    "persist_layer_norm",
+    "apply_rope_fusion",
+    "bias_activation_fusion",
+    "bias_dropout_fusion",
+    "masked_softmax_fusion",
+)
+
+
+@dataclass(kw_only=True)
+class ActivationCheckpointingConfig:
+    """Activation recompute (megatron's recompute_granularity / recompute_method / recompute_modules)."""
+
+    enabled: bool = False
+    granularity: Literal["full", "selective"] = "full"
+    method: Literal["uniform", "block"] = "uniform"
+    num_layers: int = 1
+    modules: list[str] | None = None  # selective only, e.g. ["core_attn"]; megatron's default when None
+
+    def transformer_kwargs(self) -> dict[str, Any]:
+        if not self.enabled:
+            return {}
+        if self.granularity == "selective":
+            out: dict[str, Any] = {"recompute_granularity": "selective"}
+            if self.modules is not None:
+                out["recompute_modules"] = list(self.modules)
+            return out
+        return {"recompute_granularity": "full", "recompute_method": self.method,
+                "recompute_num_layers": self.num_layers}
+
+
+@dataclass(kw_only=True)
+class MegatronConfig:
+    """`policy.megatron_cfg` (NeMo-RL's layout); keys not listed here go to megatron's TransformerConfig."""
+
+    enabled: bool = True
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int = 1
+    sequence_parallel: bool | None = None  # None: on exactly when TP > 1
+    activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
+    optimizer: dict[str, Any] = field(default_factory=dict)  # megatron OptimizerConfig overrides
+    scheduler: dict[str, Any] = field(default_factory=dict)  # OptimizerParamScheduler overrides
+    distributed_data_parallel_config: dict[str, Any] = field(default_factory=dict)
+    seed: int = 1234
+    converted_checkpoint_dir: str | None = None  # cache of HF -> megatron conversions; None: ~/.cache
+    transformer_config: dict[str, Any] = field(default_factory=dict)  # filled from the unknown keys
+
+    def __post_init__(self) -> None:
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                    "expert_model_parallel_size", "expert_tensor_parallel_size"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{SECTION}.{key} must be >= 1; got {getattr(self, key)}")
+        _check_fields("optimizer", self.optimizer, _optimizer_fields())
+        _check_fields("scheduler", self.scheduler, _scheduler_fields())
+        _check_fields("distributed_data_parallel_config", self.distributed_data_parallel_config, _ddp_fields())
+
+    @property
+    def tp(self) -> int:
+        return self.tensor_model_parallel_size
+
+    @property
+    def pp(self) -> int:
+        return self.pipeline_model_parallel_size
+
+    @property
+    def cp(self) -> int:
+        return self.context_parallel_size
+
+    @property
+    def ep(self) -> int:
+        return self.expert_model_parallel_size
+
+
+def _transformer_fields() -> list[str]:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return [f.name for f in dataclasses.fields(TransformerConfig) if f.init]
+
+
+def _optimizer_fields() -> list[str]:
+    from megatron.core.optimizer import OptimizerConfig
+
+    return [f.name for f in dataclasses.fields(OptimizerConfig) if f.init]
+
+
+def _ddp_fields() -> list[str]:
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return [f.name for f in dataclasses.fields(DistributedDataParallelConfig) if f.init]
+
+
+def _scheduler_fields() -> list[str]:
+    import inspect
+
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return [n for n in inspect.signature(OptimizerParamScheduler.__init__).parameters if n not in ("self", "optimizer")]
+
+
+def _check_fields(key: str, values: dict[str, Any], valid: list[str]) -> None:
+    for name in values:
+        if name not in valid:
+            near = closest_key(name, valid)
+            hint = f"; did you mean '{SECTION}.{key}.{near}'?" if near else ""
+            raise ConfigError(f"unknown config key '{SECTION}.{key}.{name}'{hint} (checked against megatron's "
+                              f"{key} fields)")
+
+
+def parse_megatron_config(raw: dict[str, Any]) -> MegatronConfig:
+    """Validate `policy.megatron_cfg`: own keys typed, the rest checked against TransformerConfig."""
+    own = [f.name for f in dataclasses.fields(MegatronConfig) if f.name != "transformer_config"]
+    transformer = _transformer_fields()
+    known, extra = {}, {}
+    for key, value in raw.items():
+        if key in own:
+            known[key] = value
+        elif key in transformer:
+            extra[key] = value
+        else:
+            near = closest_key(key, own + transformer)
+            hint = f"; did you mean '{SECTION}.{near}'?" if near else ""
+            raise ConfigError(f"unknown config key '{SECTION}.{key}'{hint} Keys other than {sorted(own)} must be "
+                              "fields of megatron.core's TransformerConfig.")
+    cfg = parse_config(MegatronConfig, known, SECTION)
+    cfg.transformer_config = extra
+    return cfg
+
+
+@dataclass(kw_only=True)
+class ResolvedSettings:
+    """The concrete choices the engine makes, logged once as the resolved config."""
+
+    sequence_parallel: bool
+    packing: bool
+    pack_multiple: int  # every packed sequence padded to a multiple of this (2*CP*TP)
+    seq_multiple: int  # a padded micro-batch's length is a multiple of this (TP with SP, 2*CP*TP with CP)
+    transformer_overrides: dict[str, Any]  # extra TransformerConfig fields passed to ckpt-convert
+    use_cuda: bool
+
+    def describe(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items())
+
+
+def resolve_settings(policy: PolicyConfig, cfg: MegatronConfig, hf_config: Any, world_size: int,
+                     use_cuda: bool) -> ResolvedSettings:
+    """Cross-field checks (fail before any model is built) and the automatic settings."""
+    model_parallel = cfg.tp * cfg.pp * cfg.cp
+    if world_size % model_parallel:
+        raise ConfigError(f"world size {world_size} is not divisible by TP*PP*CP = {cfg.tp}*{cfg.pp}*{cfg.cp}; "
+                          f"change {SECTION}.tensor/pipeline/context_model_parallel_size or the number of ranks")
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    if heads % cfg.tp or kv_heads % cfg.tp:
+        raise ConfigError(f"{SECTION}.tensor_model_parallel_size={cfg.tp} must divide the model's attention heads "
+                          f"({heads}) and key/value heads ({kv_heads}); choose a TP size that divides {math.gcd(heads, kv_heads)}")
+    num_layers = hf_config.num_hidden_layers
+    if num_layers % cfg.pp:
+        raise ConfigError(f"{SECTION}.pipeline_model_parallel_size={cfg.pp} must divide num_hidden_layers={num_layers}")
+    packing = policy.sequence_packing.enabled
+    if cfg.cp > 1 and not packing:
+        raise ConfigError(f"{SECTION}.context_parallel_size={cfg.cp} needs packed sequences: set "
+                          "policy.sequence_packing.enabled=true (CP shards the load-balanced packed layout)")
+    if cfg.cp > 1 and not use_cuda:
+        raise ConfigError(f"{SECTION}.context_parallel_size={cfg.cp} needs CUDA and transformer-engine (megatron's "
+                          "local attention has no context parallelism); use context_parallel_size=1 on CPU")
+    num_experts = getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None)
+    if cfg.ep > 1 and (not num_experts or num_experts % cfg.ep):
+        raise ConfigError(f"{SECTION}.expert_model_parallel_size={cfg.ep} must divide the number of experts "
+                          f"({num_experts or 'none: a dense model'})")
+    if (world_size // model_parallel) * cfg.cp * cfg.tp % (cfg.ep * cfg.expert_tensor_parallel_size):
+        raise ConfigError(f"{SECTION}.expert_model_parallel_size={cfg.ep} x expert_tensor_parallel_size must divide "
+                          f"DP*CP*TP = {world_size // model_parallel * cfg.cp * cfg.tp}")
+    sp = cfg.sequence_parallel if cfg.sequence_parallel is not None else cfg.tp > 1
+    if sp and cfg.tp == 1:
+        logger.warning("%s.sequence_parallel=true with TP=1 does nothing; turning it off", SECTION)
+        sp = False
+    pack_multiple = 2 * cfg.cp * cfg.tp if cfg.cp * cfg.tp > 1 else 1
+    seq_multiple = pack_multiple if cfg.cp > 1 else (cfg.tp if sp else 1)
+    overrides = _automatic_overrides(cfg, use_cuda)
+    return ResolvedSettings(sequence_parallel=sp, packing=packing, pack_multiple=pack_multiple,
+                            seq_multiple=seq_multiple, transformer_overrides=overrides, use_cuda=use_cuda)
+
+
+def _automatic_overrides(cfg: MegatronConfig, use_cuda: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {name: use_cuda for name in CUDA_FUSIONS}
+    # gloo has no batched p2p that megatron's interleaved schedule can use correctly (the probe measured
+    # silently wrong grads with batch_p2p_comm=True under gloo): use single send/recv without CUDA.
+    out["batch_p2p_comm"] = use_cuda
+    out["variable_seq_lengths"] = False  # every micro-batch of a step is padded to one shape (engine)
+    out["hidden_dropout"] = 0.0  # RL recomputes logprobs: dropout would make them disagree with sampling
+    out["attention_dropout"] = 0.0
+    out.update(cfg.activation_checkpointing.transformer_kwargs())
+    out.update(cfg.transformer_config)  # user keys win over automatic ones
+    return out

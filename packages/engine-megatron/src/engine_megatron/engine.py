@@ -1,0 +1,236 @@
+"""`MegatronEngine`: rl-core's TrainingEngine on megatron-core (TP/PP/CP/EP/SP, distributed optimizer).
+
+Owns the engine calls: micro-batches of a rank's DP shard run through megatron's
+`get_forward_backward_func` (so pipeline parallelism uses megatron's schedules), target logprobs and
+entropy computed vocab-parallel on the last stage and handed to the loss as flat per-token tensors with
+global normalisers, and the optimizer step. Model building and weight names come from ckpt-convert;
+batching, logprobs, the optimizer, checkpoints and process groups live in the modules beside this one.
+
+Loss scaling: a `LossFn` returns this micro-batch's share of the global-batch loss (global normalisers),
+so the gradient we want is the SUM over micro-batches and DP ranks. Megatron's schedule divides each
+micro-batch loss by the number of micro-batches (and multiplies by CP), and DDP averages grads over DP
+(x CP): the loss handed to megatron is multiplied back by `num_micro_batches * DP / CP`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from rl_core.batch import LossFn, LossInputs, StepResult, TokenBatch
+from rl_core.config import PolicyConfig
+from rl_core.metrics import all_reduce_metrics, combine_metrics
+from rl_core.registry import register_engine
+from torch import Tensor
+
+from engine_megatron import batching, checkpoint
+from engine_megatron.compat import device_context, prepare_device
+from engine_megatron.config import parse_megatron_config, resolve_settings
+from engine_megatron.model import build_ddp_model, convert_once, export_hf_tensors, load_converted
+from engine_megatron.optim import build_optimizer, build_scheduler, megatron_optimizer_config, optimizer_step
+from engine_megatron.parallel import broadcast_from_last_stage, ensure_process_group, init_model_parallel
+from engine_megatron.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _StepState:
+    """What the loss closure needs and collects during one schedule run."""
+
+    loss_fn: LossFn | None  # None: only collect logprobs
+    num_valid_tokens: float = 0.0
+    num_valid_seqs: float = 0.0
+    scale: float = 1.0
+    losses: list[float] = field(default_factory=list)
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    logprobs: list[list[Tensor]] = field(default_factory=list)
+
+
+@register_engine("megatron")
+class MegatronEngine:
+    """A policy model on megatron-core; see the module docstring."""
+
+    def __init__(self, policy: PolicyConfig) -> None:
+        from ckpt_convert.mcore_model import load_hf_config, mcore_model_config
+
+        self.policy = policy
+        self.cfg = parse_megatron_config(policy.engine_options)
+        self.device = prepare_device()
+        self.hf_config = load_hf_config(policy.model_name)
+        world_size = ensure_process_group(self.device.type == "cuda")
+        self.settings = resolve_settings(policy, self.cfg, self.hf_config, world_size, self.device.type == "cuda")
+        self.ranks = init_model_parallel(self.cfg, self.device.type == "cuda")
+        self.model_cfg = mcore_model_config(
+            self.hf_config, tp=self.cfg.tp, pp=self.cfg.pp, ep=self.cfg.ep, etp=self.cfg.expert_tensor_parallel_size,
+            cp=self.cfg.cp, sequence_parallel=self.settings.sequence_parallel,
+            params_dtype=getattr(torch, policy.precision), overrides=self.settings.transformer_overrides)
+        if dist.get_rank() == 0:
+            logger.info("megatron engine resolved config: %s; %s", self.cfg, self.settings.describe())
+        self.model = build_ddp_model(self.model_cfg, self.cfg.distributed_data_parallel_config, self.ranks)
+        ckpt_dir = convert_once(policy.model_name, self.cfg.converted_checkpoint_dir, self.cfg.tp, self.cfg.pp,
+                                self.cfg.ep, policy.precision)
+        load_converted(self.model, ckpt_dir)
+        with device_context():
+            self.optimizer = build_optimizer(megatron_optimizer_config(policy, self.cfg), [self.model])
+        self.scheduler = build_scheduler(self.optimizer, policy, self.cfg)
+        self.vocab_size = int(self.hf_config.vocab_size)
+        self._state: _StepState | None = None
+        self._offloaded: list[tuple[Any, Tensor]] = []
+
+    # ---- the TrainingEngine interface --------------------------------------------------------------
+
+    @property
+    def dp_rank(self) -> int:
+        return self.ranks.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.ranks.dp_size
+
+    def forward_backward(self, batch: TokenBatch, loss_fn: LossFn, *, forward_only: bool = False) -> StepResult:
+        """Run every micro-batch of this rank's DP shard through `loss_fn`; grads accumulate unless forward_only."""
+        from megatron.core import parallel_state as ps
+
+        dp_group = ps.get_data_parallel_group()
+        counts = torch.tensor([batch.num_valid_tokens(), batch.num_valid_seqs()], dtype=torch.float64)
+        if self.ranks.dp_size > 1:
+            dist.all_reduce(counts, group=dp_group)
+        mb_plan = batching.plan(batch, self.policy, self.settings, training=True, dp_group=dp_group)
+        mbs = self._micro_batches(batch, mb_plan)
+        state = _StepState(loss_fn=loss_fn, num_valid_tokens=float(counts[0]), num_valid_seqs=float(counts[1]),
+                           scale=len(mbs) * self.ranks.dp_size / self.ranks.cp_size)
+        self._run(mbs, state, forward_only=forward_only)
+        summary = broadcast_from_last_stage((sum(state.losses), combine_metrics(state.metrics)), self.ranks)
+        loss, metrics = summary
+        reduced = all_reduce_metrics({"loss": loss, **metrics}, group=dp_group)
+        return StepResult(loss=reduced.pop("loss"), metrics=reduced, num_micro_batches=len(mbs))
+
+    def compute_logprobs(self, batch: TokenBatch) -> list[Tensor]:
+        """Per-sequence target-token logprobs (L_i,) float32 on CPU, in batch order."""
+        from megatron.core import parallel_state as ps
+
+        mb_plan = batching.plan(batch, self.policy, self.settings, training=False,
+                                dp_group=ps.get_data_parallel_group())
+        mbs = self._micro_batches(batch, mb_plan)
+        state = _StepState(loss_fn=None)
+        self._run(mbs, state, forward_only=True)
+        per_mb = broadcast_from_last_stage(state.logprobs, self.ranks)
+        return mb_plan.restore(per_mb)
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Clip (policy.max_grad_norm), step, advance the lr schedule; skip when the grad norm is not finite."""
+        with device_context():
+            return optimizer_step(self.optimizer, self.scheduler, self.policy.max_grad_norm)
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def train_batch(self, batch: TokenBatch, loss_fn: LossFn) -> dict[str, float]:
+        self.zero_grad()
+        result = self.forward_backward(batch, loss_fn)
+        step = self.optimizer_step()
+        return {"loss": result.loss, **step, "num_micro_batches": float(result.num_micro_batches), **result.metrics}
+
+    def export_hf_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """Full tensors under HF names, one at a time (TP/EP gathered, broadcast from the owning stage)."""
+        yield from export_hf_tensors(self.model, self.model_cfg, self.hf_config, self.ranks)
+
+    def save_checkpoint(self, path: str) -> None:
+        checkpoint.save(path, self.model, self.optimizer, self.scheduler)
+
+    def load_checkpoint(self, path: str) -> None:
+        checkpoint.load(path, self.model, self.optimizer, self.scheduler)
+
+    def offload(self) -> None:
+        """Move weights, grads and optimizer state to host memory (a no-op on a CPU device)."""
+        if self.device.type == "cpu" or self._offloaded:
+            return
+        seen = set()
+        for tensor in self._device_tensors():
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() in seen or storage.nbytes() == 0:
+                continue
+            seen.add(storage.data_ptr())
+            host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=True)
+            host.untyped_storage().copy_(storage)
+            self._offloaded.append((storage, host))
+            storage.resize_(0)  # views (params into DDP buffers) stay valid and come back with onload
+        torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        for storage, host in self._offloaded:
+            storage.resize_(host.numel())
+            storage.copy_(host.untyped_storage())
+        self._offloaded = []
+
+    # ---- internals ----------------------------------------------------------------------------------
+
+    def _device_tensors(self) -> Iterator[Tensor]:
+        for buffer in [*self.model.buffers, *self.model.expert_parallel_buffers]:
+            yield buffer.param_data
+            yield buffer.grad_data
+        for sub in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            for group in sub.optimizer.param_groups:
+                yield from group["params"]
+            for state in sub.optimizer.state.values():
+                yield from (v for v in state.values() if torch.is_tensor(v) and v.is_cuda)
+
+    def _micro_batches(self, batch: TokenBatch, mb_plan: Any) -> list[batching.MicroBatch]:
+        mbs = batching.build_micro_batches(batch, mb_plan, self.settings, uniform_shape=self.ranks.pp_size > 1,
+                                           cp_rank=self.ranks.cp_rank, cp_size=self.ranks.cp_size)
+        batching.to_device(mbs, self.device)
+        return mbs
+
+    def _run(self, mbs: list[batching.MicroBatch], state: _StepState, *, forward_only: bool) -> None:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        rows, cols = mbs[0].shape
+        self._state = state
+        grad_mode = torch.no_grad() if forward_only else torch.enable_grad()
+        try:
+            with grad_mode, device_context():
+                get_forward_backward_func()(
+                    forward_step_func=self._forward_step, data_iterator=iter(mbs), model=[self.model],
+                    num_microbatches=len(mbs), seq_length=cols * self.ranks.cp_size, micro_batch_size=rows,
+                    forward_only=forward_only)
+        finally:
+            self._state = None
+
+    def _forward_step(self, data_iterator: Iterator[batching.MicroBatch], model: Any) -> tuple[Tensor, Any]:
+        mb = next(data_iterator)
+        output = model(mb.tokens, mb.position_ids, mb.attention_mask, packed_seq_params=mb.packed_seq_params)
+        return output, functools.partial(self._loss_of, mb)
+
+    def _loss_of(self, mb: batching.MicroBatch, logits: Tensor) -> tuple[Tensor, dict]:
+        """Last stage: logits (B, S, V/TP) of one micro-batch -> (loss for megatron's backward, {})."""
+        from megatron.core import parallel_state as ps
+
+        state = self._state
+        temperature = self.policy.temperature
+        logprobs = vocab_parallel_logprobs(logits, mb.targets, self.vocab_size, temperature)  # (B, S)
+        cp_group = ps.get_context_parallel_group() if self.ranks.cp_size > 1 else None
+        if cp_group is not None:
+            logprobs = batching.gather_cp(logprobs, mb, cp_group)
+        if state.loss_fn is None or not mb.weight:
+            if state.loss_fn is None:
+                state.logprobs.append([lp.float().cpu() for lp in batching.per_sequence(logprobs.detach(), mb)]
+                                      if mb.weight else [])
+            # a zero that still runs the backward (and its TP/PP collectives) like every other micro-batch
+            return logits.float().sum() * 0.0, {}
+        entropy = vocab_parallel_entropy(logits, self.vocab_size, temperature)
+        if cp_group is not None:
+            entropy = batching.gather_cp(entropy, mb, cp_group).detach()
+        inputs = LossInputs.from_sequences(
+            mb.batch, batching.per_sequence(logprobs, mb), num_valid_tokens=state.num_valid_tokens,
+            num_valid_seqs=state.num_valid_seqs, entropy=batching.per_sequence(entropy, mb))
+        loss, metrics = state.loss_fn(inputs)
+        state.losses.append(float(loss.detach()))
+        state.metrics.append({k: float(v) for k, v in metrics.items()})
+        return loss * state.scale, {}

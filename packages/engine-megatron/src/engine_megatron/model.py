@@ -1,0 +1,177 @@
+"""The megatron model of an HF checkpoint: build, wrap in DDP, load converted weights, export HF tensors.
+
+Owns the conversion cache (an HF checkpoint is converted once through ckpt-convert into megatron's
+dist_checkpointing format, keyed by path, mtime, dtype and TP/PP/EP), loading it into this rank's shard,
+and `export_hf_tensors`, which rebuilds full tensors from TP/EP shards and pipeline stages and names them
+the Hugging Face way (ckpt-convert's name maps). Model architecture and layer specs come from
+ckpt-convert (`build_gpt_model`); this module adds no second builder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from engine_megatron.parallel import ParallelRanks
+
+logger = logging.getLogger(__name__)
+
+
+def build_ddp_model(model_cfg: Any, ddp_overrides: dict[str, Any], ranks: ParallelRanks) -> Any:
+    """This rank's GPTModel stage wrapped in megatron's DistributedDataParallel."""
+    from ckpt_convert.mcore_model import build_gpt_model
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    from engine_megatron.compat import device_context
+
+    with device_context():
+        module = build_gpt_model(model_cfg, pre_process=ranks.first_stage, post_process=ranks.last_stage)
+        if torch.cuda.is_available():
+            module.cuda()
+        ddp_kwargs = dict(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True,
+                          bucket_size=None)
+        ddp_kwargs.update(ddp_overrides)
+        model = DistributedDataParallel(config=module.config, ddp_config=DistributedDataParallelConfig(**ddp_kwargs),
+                                        module=module)
+    # The schedules call this after the last backward: DP (and embedding/expert) grad all-reduce.
+    module.config.finalize_model_grads_func = finalize_model_grads
+    return model
+
+
+def conversion_cache_dir(hf_dir: str, cache_root: str | None, tp: int, pp: int, ep: int, dtype: str) -> Path:
+    """Where the converted checkpoint of `hf_dir` lives: keyed by path, newest mtime, dtype and layout."""
+    src = Path(hf_dir).resolve()
+    mtime = max((p.stat().st_mtime_ns for p in src.iterdir() if p.is_file()), default=0)
+    key = hashlib.sha256(f"{src}|{mtime}|{dtype}|tp{tp}|pp{pp}|ep{ep}".encode()).hexdigest()[:16]
+    root = Path(cache_root or os.environ.get("RL_STACK_CACHE", Path.home() / ".cache" / "rl-stack")) / "mcore-ckpt"
+    return root / f"{src.name}-{key}"
+
+
+def convert_once(hf_dir: str, cache_root: str | None, tp: int, pp: int, ep: int, dtype: str) -> Path:
+    """Convert on global rank 0 (atomically, skipped when cached), then every rank waits for it."""
+    from ckpt_convert import convert_hf_to_mcore
+
+    target = conversion_cache_dir(hf_dir, cache_root, tp, pp, ep, dtype)
+    if dist.get_rank() == 0 and not (target / ".done").exists():
+        logger.info("converting %s to megatron format at %s", hf_dir, target)
+        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        convert_hf_to_mcore(hf_dir, str(tmp), tp=tp, pp=pp, ep=ep, dtype=getattr(torch, dtype))
+        (tmp / ".done").write_text("ok")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(tmp, target)
+    dist.barrier()
+    return target
+
+
+def load_converted(model: Any, ckpt_dir: Path) -> None:
+    """dist_checkpointing.load of a converted checkpoint into this rank's shard (any TP/PP/EP)."""
+    from megatron.core import dist_checkpointing
+
+    from engine_megatron.compat import device_context
+
+    module = model.module
+    with device_context():
+        state = dist_checkpointing.load(module.sharded_state_dict(), str(ckpt_dir))
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {ckpt_dir} does not match the model: missing {missing}, unexpected {unexpected}")
+
+
+# ---- export: full tensors under HF names ----------------------------------------------------------------
+
+
+def _global_name(module: Any, name: str, ranks: ParallelRanks, num_local_experts: int) -> str:
+    """Local parameter name -> the name it has in a TP=PP=EP=1 model (global layer and expert ids)."""
+    match = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
+    if match:
+        layer = module.decoder.layers[int(match.group(1))]
+        name = f"decoder.layers.{layer.layer_number - 1}.{match.group(2)}"
+    return re.sub(r"local_experts\.(\d+)\.",
+                  lambda m: f"local_experts.{ranks.ep_rank * num_local_experts + int(m.group(1))}.", name)
+
+
+def _tp_gather(param: Tensor, name: str, gated: bool) -> Tensor:
+    """Concatenate a tensor-parallel parameter's shards (TP, or expert-TP for experts)."""
+    from megatron.core import parallel_state as ps
+
+    if not getattr(param, "tensor_model_parallel", False):
+        return param.detach()
+    expert = not getattr(param, "allreduce", True)
+    group = ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group()
+    size = dist.get_world_size(group) if group is not None else 1
+    if size == 1:
+        return param.detach()
+    shards = [torch.empty_like(param) for _ in range(size)]
+    dist.all_gather(shards, param.detach().contiguous(), group=group)
+    dim = param.partition_dim
+    if gated and "linear_fc1" in name:
+        # each shard is [gate_r; up_r]: the full tensor is [gate_0..gate_n; up_0..up_n]
+        halves = [s.chunk(2, dim=dim) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
+    return torch.cat(shards, dim=dim)
+
+
+def export_hf_tensors(model: Any, model_cfg: Any, hf_config: Any, ranks: ParallelRanks) -> Iterator[tuple[str, Tensor]]:
+    """Every full parameter under its HF name(s), one at a time, identical on every rank."""
+    from ckpt_convert.mcore_model import mcore_to_hf_tensors
+
+    module = model.module
+    tf_config = module.config
+    num_experts = getattr(tf_config, "num_moe_experts", None) or 0
+    num_local = num_experts // max(ranks.ep_size, 1)
+    gated = bool(getattr(tf_config, "gated_linear_unit", False))
+    local = {}
+    for name, param in module.named_parameters():
+        if name == "output_layer.weight" and getattr(module, "share_embeddings_and_output_weights", False):
+            continue  # tied: the embedding is the one exported
+        local[_global_name(module, name, ranks, num_local)] = (name, param)
+    # Which global rank owns each name (the lowest holding it) and its full shape, agreed by all ranks.
+    shapes = {n: _full_shape(p, n, gated) for n, (_, p) in local.items()}
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (dist.get_rank(), shapes, str(next(iter(local.values()))[1].dtype)))
+    owners: dict[str, tuple[int, tuple[int, ...], str]] = {}
+    for rank, rank_shapes, dtype in sorted(everyone):
+        for n, shape in rank_shapes.items():
+            owners.setdefault(n, (rank, shape, dtype))
+    device = next(iter(local.values()))[1].device
+    for n in sorted(owners, key=_export_order):
+        owner, shape, dtype = owners[n]
+        full = _tp_gather(local[n][1], n, gated) if n in local else None
+        if full is None or dist.get_rank() != owner:
+            full = full if full is not None else torch.empty(shape, dtype=getattr(torch, dtype.split(".")[-1]), device=device)
+        if dist.get_world_size() > 1:
+            full = full.contiguous()
+            dist.broadcast(full, src=owner)
+        yield from mcore_to_hf_tensors(model_cfg, hf_config, n, full.cpu())
+
+
+def _full_shape(param: Tensor, name: str, gated: bool) -> tuple[int, ...]:
+    from megatron.core import parallel_state as ps
+
+    shape = list(param.shape)
+    if getattr(param, "tensor_model_parallel", False):
+        expert = not getattr(param, "allreduce", True)
+        size = (ps.get_expert_tensor_parallel_world_size() if expert else ps.get_tensor_model_parallel_world_size())
+        shape[param.partition_dim] *= size
+    return tuple(shape)
+
+
+def _export_order(name: str) -> tuple:
+    """Embedding first, then layers in order (experts by id), then the final norm and output layer."""
+    layer = re.match(r"decoder\.layers\.(\d+)\.", name)
+    expert = re.search(r"local_experts\.(\d+)\.", name)
+    group = 0 if name.startswith("embedding") else 1 if layer else 2
+    return (group, int(layer.group(1)) if layer else 0, int(expert.group(1)) if expert else -1, name)
