@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 
@@ -174,7 +174,20 @@ def apply_override(data: dict, assignment: str) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"override {dotted!r}: '{'.'.join(keys[: depth + 1])}' is a value, not a section")
         node = child
-    node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else None
+    node[keys[-1]] = parse_value(raw)
+
+
+def parse_value(raw: str) -> Any:
+    """A command-line value as YAML, except that `3e-4` is a number (YAML 1.1 would keep it a string)."""
+    if not raw.strip():
+        return None
+    value = yaml.safe_load(raw)
+    if isinstance(value, str):
+        try:
+            return float(value) if any(c in value for c in ".eE") else int(value)
+        except ValueError:
+            return value
+    return value
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> GRPOConfig:

@@ -5,52 +5,34 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
-
 from rl_core.importance import importance_weights
 from rl_core.interfaces import SamplingParams
-from rl_core.logprobs import target_logprobs
 from rl_core.testing.contracts import check_generation_backend
 from rl_core.testing.tiny_models import cached_tiny_checkpoint
 from rollout.torch_backend import TorchGenerationBackend
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 EOS = 2
 
 
-def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """HF generate on one unpadded prompt: the reference greedy continuation."""
-    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=EOS, pad_token_id=0,
-                         top_k=None, top_p=None, temperature=None)
-    return out[0, len(prompt):].tolist()
-
-
-def hf_logprobs(model, prompt: list[int], completion: list[int], temperature: float) -> torch.Tensor:
-    """Logprobs of `completion` under a fresh single-sequence HF forward pass, logits / T, float32."""
-    ids = torch.tensor([prompt + completion])
-    with torch.no_grad():
-        logits = model(ids).logits[0]
-    return target_logprobs(logits[:-1], ids[0, 1:], temperature)[len(prompt) - 1:]
-
-
 @pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3"])
-def test_greedy_equals_hf_generate(arch, model_cache, prompts):
+def test_greedy_equals_hf_generate(arch, model_cache, prompts, hf_ref):
     path = cached_tiny_checkpoint(arch, seed=3, cache_dir=model_cache)
     backend = TorchGenerationBackend(str(path))
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     out = backend.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=20))
     for prompt, completion in zip(prompts, out):
-        expected = hf_greedy(hf, prompt, 20)
+        expected = hf_ref.greedy(hf, prompt, 20)
         assert completion.token_ids == expected
         assert completion.finish_reason == ("stop" if expected[-1] == EOS else "length")
         # Greedy reports logprobs at T = 1.
-        ref = hf_logprobs(hf, prompt, completion.token_ids, 1.0)
+        ref = hf_ref.logprobs(hf, prompt, completion.token_ids, 1.0)
         torch.testing.assert_close(torch.tensor(completion.logprobs), ref, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 20, 0.9)])
-def test_sampled_logprobs_equal_hf_forward(tiny_ckpt, prompts, temperature, top_k, top_p):
+def test_sampled_logprobs_equal_hf_forward(tiny_ckpt, prompts, temperature, top_k, top_p, hf_ref):
     backend = TorchGenerationBackend(str(tiny_ckpt))
     hf = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
     params = SamplingParams(n=4, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=16, seed=7)
@@ -58,7 +40,7 @@ def test_sampled_logprobs_equal_hf_forward(tiny_ckpt, prompts, temperature, top_
     gen, prev = [], []
     for c in out:
         gen.append(torch.tensor(c.logprobs))
-        prev.append(hf_logprobs(hf, prompts[c.prompt_index], c.token_ids, temperature))
+        prev.append(hf_ref.logprobs(hf, prompts[c.prompt_index], c.token_ids, temperature))
     gen_t, prev_t = torch.cat(gen), torch.cat(prev)
     assert (gen_t - prev_t).abs().max() <= 1e-5
     seq_ids = torch.cat([torch.full((len(g),), i) for i, g in enumerate(gen)])

@@ -103,8 +103,9 @@ def _global_name(module: Any, name: str, ranks: ParallelRanks, num_local_experts
                   lambda m: f"local_experts.{ranks.ep_rank * num_local_experts + int(m.group(1))}.", name)
 
 
-def _tp_gather(param: Tensor, name: str, gated: bool) -> Tensor:
-    """Concatenate a tensor-parallel parameter's shards (TP, or expert-TP for experts)."""
+def _tp_gather(model_cfg: Any, param: Tensor, name: str) -> Tensor:
+    """The full tensor of a tensor-parallel parameter from its shards (TP, or expert-TP for experts)."""
+    from ckpt_convert.mapping import merge_tp_shards
     from megatron.core import parallel_state as ps
 
     if not getattr(param, "tensor_model_parallel", False):
@@ -116,49 +117,41 @@ def _tp_gather(param: Tensor, name: str, gated: bool) -> Tensor:
         return param.detach()
     shards = [torch.empty_like(param) for _ in range(size)]
     dist.all_gather(shards, param.detach().contiguous(), group=group)
-    dim = param.partition_dim
-    if gated and "linear_fc1" in name:
-        # each shard is [gate_r; up_r]: the full tensor is [gate_0..gate_n; up_0..up_n]
-        halves = [s.chunk(2, dim=dim) for s in shards]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
-    return torch.cat(shards, dim=dim)
+    return merge_tp_shards(model_cfg, name, shards)  # fused gate/up shards are not a plain concat
 
 
 def export_hf_tensors(model: Any, model_cfg: Any, hf_config: Any, ranks: ParallelRanks) -> Iterator[tuple[str, Tensor]]:
-    """Every full parameter under its HF name(s), one at a time, identical on every rank."""
-    from ckpt_convert.mcore_model import mcore_to_hf_tensors
+    """Every full parameter under its HF name(s), one at a time, the same stream on every rank."""
+    from ckpt_convert.mapping import mcore_to_hf_tensors
 
     module = model.module
-    tf_config = module.config
-    num_experts = getattr(tf_config, "num_moe_experts", None) or 0
-    num_local = num_experts // max(ranks.ep_size, 1)
-    gated = bool(getattr(tf_config, "gated_linear_unit", False))
+    num_local = (getattr(module.config, "num_moe_experts", None) or 0) // max(ranks.ep_size, 1)
     local = {}
     for name, param in module.named_parameters():
-        if name == "output_layer.weight" and getattr(module, "share_embeddings_and_output_weights", False):
+        if name == "output_layer.weight" and module.share_embeddings_and_output_weights:
             continue  # tied: the embedding is the one exported
-        local[_global_name(module, name, ranks, num_local)] = (name, param)
-    # Which global rank owns each name (the lowest holding it) and its full shape, agreed by all ranks.
-    shapes = {n: _full_shape(p, n, gated) for n, (_, p) in local.items()}
+        local[_global_name(module, name, ranks, num_local)] = param
+    # Agree on every name's owner (the lowest global rank holding it), full shape and dtype.
+    mine = {n: (_full_shape(p), str(p.dtype).removeprefix("torch.")) for n, p in local.items()}
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (dist.get_rank(), shapes, str(next(iter(local.values()))[1].dtype)))
+    dist.all_gather_object(everyone, (dist.get_rank(), mine))
     owners: dict[str, tuple[int, tuple[int, ...], str]] = {}
-    for rank, rank_shapes, dtype in sorted(everyone):
-        for n, shape in rank_shapes.items():
+    for rank, names in sorted(everyone):
+        for n, (shape, dtype) in names.items():
             owners.setdefault(n, (rank, shape, dtype))
-    device = next(iter(local.values()))[1].device
+    device = next(iter(local.values())).device
     for n in sorted(owners, key=_export_order):
         owner, shape, dtype = owners[n]
-        full = _tp_gather(local[n][1], n, gated) if n in local else None
-        if full is None or dist.get_rank() != owner:
-            full = full if full is not None else torch.empty(shape, dtype=getattr(torch, dtype.split(".")[-1]), device=device)
+        if n in local:  # every rank of the owner's TP group takes part in the gather
+            full = _tp_gather(model_cfg, local[n], n).contiguous()
+        else:
+            full = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
         if dist.get_world_size() > 1:
-            full = full.contiguous()
-            dist.broadcast(full, src=owner)
+            dist.broadcast(full, src=owner)  # PP stages and EP ranks that do not hold it receive it
         yield from mcore_to_hf_tensors(model_cfg, hf_config, n, full.cpu())
 
 
-def _full_shape(param: Tensor, name: str, gated: bool) -> tuple[int, ...]:
+def _full_shape(param: Tensor) -> tuple[int, ...]:
     from megatron.core import parallel_state as ps
 
     shape = list(param.shape)

@@ -14,9 +14,8 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import Tensor
-
 from rl_core.interfaces import SamplingParams
+from torch import Tensor
 
 
 def validate_params(params: SamplingParams) -> None:

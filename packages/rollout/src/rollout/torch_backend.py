@@ -18,9 +18,9 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
+from rl_core.interfaces import Completion, SamplingParams
 from torch import Tensor
 
-from rl_core.interfaces import Completion, SamplingParams
 from rollout.sampling import make_generator, sample_next, validate_params
 
 logger = logging.getLogger(__name__)

@@ -1,1 +1,33 @@
-"""seqpack."""
+"""seqpack: turn variable-length sequences into dense work for training engines.
+
+- `pack_bins` (binpack): FFD / MFFD / BFD / concat bin packing of lengths into a token capacity.
+- `balance_partitions` (balance): Karmarkar-Karp or greedy split of sequences over DP ranks.
+- `pack`, `pack_like`, `unpack`, `block_causal_mask`, `PackedLayout` (layout): packed rows with cu_seqlens,
+  restarting position ids, seq ids and a block-diagonal causal mask.
+- `cp_shard_indices`, `cp_shard`, `cp_gather` (context_parallel): megatron's 2*CP-chunk load-balanced split.
+- `plan_micro_batches`, `MicroBatchPlan` (microbatch): token-budget micro-batching, padded or packed.
+"""
+
+from .balance import balance_partitions, partition_spread
+from .binpack import pack_bins
+from .context_parallel import cp_gather, cp_shard, cp_shard_indices
+from .layout import PackedLayout, block_causal_mask, build_layout, pack, pack_like, unpack
+from .microbatch import MicroBatchPlan, micro_batch_cost, plan_micro_batches
+
+__all__ = [
+    "MicroBatchPlan",
+    "PackedLayout",
+    "balance_partitions",
+    "block_causal_mask",
+    "build_layout",
+    "cp_gather",
+    "cp_shard",
+    "cp_shard_indices",
+    "micro_batch_cost",
+    "pack",
+    "pack_bins",
+    "pack_like",
+    "partition_spread",
+    "plan_micro_batches",
+    "unpack",
+]
