@@ -1,0 +1,175 @@
+"""Token-budget micro-batching (dynamic batching), padded or packed, with the permutation back.
+
+Owns `MicroBatchPlan` and `plan_micro_batches`. A micro-batch's cost is what the engine computes on:
+packed, the sum of the sequences' lengths rounded up to `round_to`; padded, the number of sequences times
+the longest one (rounded). Sequences are reordered by length only within windows of `sort_window`
+consecutive sequences, and `MicroBatchPlan.restore` puts per-sequence outputs back in input order.
+Packing and token budgets work together: with `packing=True` each micro-batch is one bin of `pack_bins`.
+Building the packed tensors is `seqpack.layout`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import numpy as np
+
+from ._validate import as_lengths, check_positive_int
+from .balance import balance_partitions
+from .binpack import pack_bins
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MicroBatchPlan", "micro_batch_cost", "plan_micro_batches"]
+
+T = TypeVar("T")
+
+
+@dataclass
+class MicroBatchPlan:
+    """Indices into the input lengths, per micro-batch, in run order; may contain empty micro-batches."""
+
+    micro_batches: list[list[int]]
+
+    def __post_init__(self) -> None:
+        flat = sorted(i for mb in self.micro_batches for i in mb)
+        if flat != list(range(len(flat))):
+            raise ValueError("MicroBatchPlan.micro_batches must hold every index 0..n-1 exactly once")
+
+    @property
+    def num_micro_batches(self) -> int:
+        return len(self.micro_batches)
+
+    @property
+    def num_seqs(self) -> int:
+        return sum(len(mb) for mb in self.micro_batches)
+
+    def restore(self, outputs: Sequence[Sequence[T]]) -> list[T]:
+        """Per-micro-batch outputs (in plan order, aligned with `micro_batches`) -> list in input order."""
+        if len(outputs) != len(self.micro_batches):
+            raise ValueError(
+                f"restore got outputs for {len(outputs)} micro-batches, the plan has {len(self.micro_batches)}"
+            )
+        result: list = [None] * self.num_seqs
+        for m, (mb, out) in enumerate(zip(self.micro_batches, outputs)):
+            if len(out) != len(mb):
+                raise ValueError(
+                    f"restore: micro-batch {m} holds {len(mb)} sequences but its output has {len(out)} items "
+                    "(an empty micro-batch takes an empty output)"
+                )
+            for idx, value in zip(mb, out):
+                result[idx] = value
+        return result
+
+
+def micro_batch_cost(
+    lengths: Sequence[int], indices: Sequence[int], *, packing: bool, round_to: int = 1
+) -> int:
+    """Tokens the engine computes for one micro-batch: packed sum or padded len * max, lengths rounded up."""
+    costs = [-(-int(lengths[i]) // round_to) * round_to for i in indices]
+    if not costs:
+        return 0
+    return sum(costs) if packing else len(costs) * max(costs)
+
+
+def plan_micro_batches(
+    lengths: Sequence[int] | np.ndarray,
+    *,
+    max_tokens: int | None = None,
+    max_seqs: int | None = None,
+    packing: bool = False,
+    algorithm: str = "mffd",
+    round_to: int = 1,
+    min_micro_batches: int = 1,
+    sort_window: int | None = None,
+) -> MicroBatchPlan:
+    """Cut a batch into micro-batches of cost <= max_tokens and at most max_seqs sequences each.
+
+    sort_window: sequences are sorted (padded) or bin-packed (packing) only within consecutive windows of
+    this many sequences; None means one window over the whole batch. min_micro_batches: split the costliest
+    micro-batch until there are that many, or append empty ones when every micro-batch holds a single
+    sequence (engines run a zero-weight dummy pass for those, so all DP ranks run the same number).
+    """
+    arr = as_lengths(lengths)
+    round_to = check_positive_int(round_to, "round_to")
+    min_micro_batches = check_positive_int(min_micro_batches, "min_micro_batches")
+    max_tokens = None if max_tokens is None else check_positive_int(max_tokens, "max_tokens")
+    max_seqs = None if max_seqs is None else check_positive_int(max_seqs, "max_seqs")
+    window = len(arr) if sort_window is None else check_positive_int(sort_window, "sort_window")
+    costs = -(-arr // round_to) * round_to
+    if max_tokens is not None:
+        over = np.flatnonzero(costs > max_tokens)
+        if over.size:
+            i = int(over[0])
+            raise ValueError(
+                f"sequence {i} has length {int(arr[i])} ({int(costs[i])} after round_to={round_to}) > "
+                f"max_tokens={max_tokens}: raise max_tokens or truncate the sequence"
+            )
+    if max_tokens is None and max_seqs is None:
+        micro_batches = [list(range(len(arr)))]
+    else:
+        micro_batches = []
+        for start in range(0, len(arr), window):
+            idx = np.arange(start, min(start + window, len(arr)))
+            plan = _plan_packed if packing else _plan_padded
+            micro_batches += plan(idx, costs, max_tokens, max_seqs, algorithm)
+    micro_batches = _ensure_min(micro_batches, min_micro_batches, costs, packing)
+    logger.debug("planned %d micro-batches for %d sequences", len(micro_batches), len(arr))
+    return MicroBatchPlan(micro_batches)
+
+
+def _by_decreasing_cost(idx: np.ndarray, costs: np.ndarray) -> list[int]:
+    return idx[np.argsort(-costs[idx], kind="stable")].tolist()
+
+
+def _plan_padded(
+    idx: np.ndarray, costs: np.ndarray, max_tokens: int | None, max_seqs: int | None, algorithm: str
+) -> list[list[int]]:
+    # Sorted by decreasing cost, each micro-batch's first sequence is its longest, so a greedy cut keeps
+    # len(mb) * first <= max_tokens; sorting is what keeps the padding small.
+    tokens = max_tokens if max_tokens is not None else float("inf")
+    seqs = max_seqs if max_seqs is not None else len(idx)
+    out: list[list[int]] = []
+    for i in _by_decreasing_cost(idx, costs):
+        if out and len(out[-1]) < seqs and (len(out[-1]) + 1) * costs[out[-1][0]] <= tokens:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
+def _plan_packed(
+    idx: np.ndarray, costs: np.ndarray, max_tokens: int | None, max_seqs: int | None, algorithm: str
+) -> list[list[int]]:
+    if max_tokens is None:  # only a sequence count: longest first, max_seqs per micro-batch
+        order = _by_decreasing_cost(idx, costs)
+        return [order[s : s + max_seqs] for s in range(0, len(order), max_seqs)]  # type: ignore[misc]
+    bins = [[int(idx[j]) for j in b] for b in pack_bins(costs[idx], max_tokens, algorithm)]
+    if max_seqs is None:
+        return bins
+    # A subset of a bin is still under the token budget, so cutting by count keeps both limits.
+    return [b[s : s + max_seqs] for b in bins for s in range(0, len(b), max_seqs)]
+
+
+def _ensure_min(
+    micro_batches: list[list[int]], minimum: int, costs: np.ndarray, packing: bool
+) -> list[list[int]]:
+    """Split the costliest splittable micro-batch in two until there are `minimum`; pad with empty ones."""
+    micro_batches = [list(mb) for mb in micro_batches]
+    while len(micro_batches) < minimum:
+        splittable = [m for m, mb in enumerate(micro_batches) if len(mb) >= 2]
+        if not splittable:
+            micro_batches += [[] for _ in range(minimum - len(micro_batches))]
+            break
+        m = max(splittable, key=lambda m: micro_batch_cost(costs, micro_batches[m], packing=packing))
+        mb = micro_batches[m]
+        if packing:  # two halves with near-equal tokens, each kept in the micro-batch's order
+            parts = balance_partitions(costs[mb], 2, method="kk")
+            halves = [[mb[j] for j in part] for part in parts]
+        else:  # sorted by length already: contiguous halves keep the padding small
+            halves = [mb[: len(mb) // 2], mb[len(mb) // 2 :]]
+        micro_batches[m : m + 1] = halves
+    return micro_batches
