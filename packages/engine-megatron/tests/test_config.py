@@ -1,0 +1,88 @@
+"""policy.megatron_cfg validation: unknown keys, TransformerConfig pass-through, cross-field errors, early."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from megatron_testutil import make_policy
+from rl_core.config import ConfigError
+from rl_core.testing.distributed import run_distributed
+from rl_core.testing.tiny_models import tiny_config
+
+from engine_megatron.config import parse_megatron_config, resolve_settings
+
+
+def test_unknown_key_names_the_closest_field() -> None:
+    with pytest.raises(ConfigError, match=r"policy\.megatron_cfg\.tensor_model_paralel_size.*did you mean "
+                                          r"'policy\.megatron_cfg\.tensor_model_parallel_size'"):
+        parse_megatron_config({"tensor_model_paralel_size": 2})
+
+
+def test_unknown_transformer_key_names_the_closest_field() -> None:
+    with pytest.raises(ConfigError, match=r"did you mean 'policy\.megatron_cfg\.apply_rope_fusion'"):
+        parse_megatron_config({"apply_rope_fusio": True})
+
+
+def test_nested_sections_are_checked_against_megatron() -> None:
+    with pytest.raises(ConfigError, match=r"megatron_cfg\.optimizer\.adam_beta3.*adam_beta"):
+        parse_megatron_config({"optimizer": {"adam_beta3": 0.9}})
+    with pytest.raises(ConfigError, match=r"distributed_data_parallel_config\.bucket_sise.*bucket_size"):
+        parse_megatron_config({"distributed_data_parallel_config": {"bucket_sise": 10}})
+
+
+def test_transformer_keys_pass_through_and_user_wins() -> None:
+    cfg = parse_megatron_config({"apply_rope_fusion": True, "moe_aux_loss_coeff": 0.01})
+    assert cfg.transformer_config == {"apply_rope_fusion": True, "moe_aux_loss_coeff": 0.01}
+    policy = make_policy("unused")
+    settings = resolve_settings(policy, cfg, tiny_config("qwen2"), world_size=1, use_cuda=False)
+    assert settings.transformer_overrides["apply_rope_fusion"] is True  # the user's value beats the CPU default
+    assert settings.transformer_overrides["gradient_accumulation_fusion"] is False
+
+
+def test_automatic_settings() -> None:
+    hf = tiny_config("qwen2")
+    cpu = resolve_settings(make_policy("x"), parse_megatron_config({"tensor_model_parallel_size": 2}), hf, 2, False)
+    assert cpu.sequence_parallel and cpu.seq_multiple == 2
+    assert not any(cpu.transformer_overrides[k] for k in ("persist_layer_norm", "masked_softmax_fusion"))
+    assert cpu.transformer_overrides["batch_p2p_comm"] is False
+    gpu = resolve_settings(make_policy("x", sequence_packing={"enabled": True}),
+                           parse_megatron_config({"tensor_model_parallel_size": 2, "sequence_parallel": False,
+                                                  "context_parallel_size": 2}), hf, 4, True)
+    assert not gpu.sequence_parallel and gpu.pack_multiple == 8 and gpu.transformer_overrides["apply_rope_fusion"]
+
+
+@pytest.mark.parametrize(
+    ("megatron_cfg", "policy_kw", "world", "message"),
+    [
+        ({"tensor_model_parallel_size": 3}, {}, 3, r"tensor_model_parallel_size=3 must divide the model's attention heads"),
+        ({"context_parallel_size": 2}, {}, 2, r"context_parallel_size=2 needs packed sequences.*sequence_packing\.enabled=true"),
+        ({"tensor_model_parallel_size": 2}, {}, 3, r"world size 3 is not divisible by TP\*PP\*CP"),
+        ({"expert_model_parallel_size": 2}, {}, 2, r"expert_model_parallel_size=2 must divide the number of experts \(none"),
+    ],
+)
+def test_cross_field_errors(megatron_cfg, policy_kw, world, message) -> None:
+    cfg = parse_megatron_config(megatron_cfg)
+    with pytest.raises(ConfigError, match=message):
+        resolve_settings(make_policy("x", **policy_kw), cfg, tiny_config("qwen2"), world, use_cuda=False)
+
+
+def _build(rank: int, world_size: int, ckpt: str, megatron_cfg: dict) -> str:
+    from engine_megatron.engine import MegatronEngine
+
+    start = time.perf_counter()
+    try:
+        MegatronEngine(make_policy(ckpt, megatron_cfg))
+    except ConfigError as exc:
+        return f"{time.perf_counter() - start:.3f}|{exc}"
+    return "built"
+
+
+@pytest.mark.distributed
+def test_engine_fails_early_on_bad_layout(tiny_ckpt) -> None:
+    """A layout the world cannot hold fails in the constructor before the model is built or converted."""
+    out = run_distributed(_build, world_size=2, args=(tiny_ckpt("llama"), {"tensor_model_parallel_size": 2,
+                                                                            "pipeline_model_parallel_size": 2}))
+    assert all("world size 2 is not divisible" in o for o in out), out
+    seconds = float(out[0].split("|")[0])
+    assert seconds < 2.0, f"the config error took {seconds:.1f} s: it must come before the model build"
