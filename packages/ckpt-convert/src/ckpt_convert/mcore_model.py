@@ -1,0 +1,245 @@
+"""HF config -> megatron-core model: `MCoreModelConfig`, `mcore_model_config()` and `build_gpt_model()`.
+
+Owns the architecture mapping (which TransformerConfig fields an HF config implies) and the choice of the
+layer spec. It does not own weights (mapping.py) or files (convert.py). The megatron engine builds its
+model through `build_gpt_model(mcore_model_config(load_hf_config(path), tp=..., ...))`, so engine and
+converter agree on every field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MistralForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
+                "qwen3_moe": "Qwen3MoeForCausalLM"}
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+VOCAB_DIVISIBLE_BY = 128
+
+
+@dataclass(kw_only=True)
+class MCoreModelConfig:
+    """Everything needed to build a megatron GPTModel equivalent to an HF checkpoint."""
+
+    transformer_config: Any  # megatron.core.transformer.TransformerConfig
+    vocab_size: int  # padded: a multiple of VOCAB_DIVISIBLE_BY * tp
+    hf_vocab_size: int
+    max_sequence_length: int
+    rotary_base: float
+    rope_scaling: bool = False  # llama3-style frequency scaling
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int = 8192
+    share_embeddings_and_output_weights: bool = False
+    position_embedding_type: str = "rope"
+    arch: str = "LlamaForCausalLM"
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.arch in MOE_ARCHITECTURES
+
+
+def load_hf_config(hf_dir: str | os.PathLike) -> Any:
+    """Read `hf_dir/config.json` as a transformers config; error if the architecture is not supported."""
+    from transformers import AutoConfig
+
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{path} not found: --hf must be a Hugging Face checkpoint directory with config.json")
+    raw = json.loads(path.read_text())
+    arch = hf_architecture(raw)
+    config = AutoConfig.from_pretrained(str(hf_dir))
+    config.architectures = [arch]
+    return config
+
+
+def hf_architecture(config: Any) -> str:
+    """The supported architecture name of an HF config (object or dict), or a ValueError listing them."""
+    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    archs = get("architectures") or []
+    arch = archs[0] if archs else _MODEL_TYPES.get(get("model_type"), get("model_type"))
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"architecture {arch!r} (config.json 'architectures') is not supported; "
+                         f"supported: {list(SUPPORTED_ARCHITECTURES)}")
+    return arch
+
+
+def _rope_fields(hf: Any) -> dict:
+    """rope theta and llama3 scaling from `rope_parameters` (transformers 5) or `rope_scaling`/`rope_theta`."""
+    params = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+    theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    out = {"rotary_base": float(theta)}
+    if rope_type == "llama3":
+        out.update(rope_scaling=True, rope_scaling_factor=float(params["factor"]),
+                   rope_low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+                   rope_high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+                   rope_original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)))
+    elif rope_type not in ("default", None):
+        raise ValueError(f"rope_type={rope_type!r} in the HF config is not supported; supported: default, llama3")
+    return out
+
+
+def _check_divisible(hf: Any, heads: int, groups: int, tp: int, ep: int, num_experts: int | None) -> None:
+    for name, value in (("num_attention_heads", heads), ("num_key_value_heads", groups)):
+        if value % tp:
+            ok = [d for d in range(1, groups + 1) if heads % d == 0 and groups % d == 0]
+            raise ValueError(f"tp={tp} does not divide {name}={value}; choose --tp from {ok}")
+    if num_experts is not None and num_experts % ep:
+        ok = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
+        raise ValueError(f"ep={ep} does not divide the {num_experts} experts; choose --ep from {ok}")
+    if num_experts is None and ep != 1:
+        raise ValueError(f"ep={ep} needs a MoE model; {type(hf).__name__} is dense: use --ep 1")
+
+
+def _check_overrides(overrides: dict, names: set[str]) -> None:
+    for key in overrides:
+        if key not in names:
+            close = difflib.get_close_matches(key, sorted(names), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"override {key!r} is not a TransformerConfig field{hint}")
+
+
+def _moe_fields(hf: Any, arch: str) -> dict:
+    if arch == "Qwen3MoeForCausalLM":
+        if getattr(hf, "mlp_only_layers", None) or getattr(hf, "decoder_sparse_step", 1) != 1:
+            raise ValueError("Qwen3-MoE with dense layers (mlp_only_layers / decoder_sparse_step != 1) is not "
+                             "supported: every layer must be a MoE layer")
+        num_experts, ffn = hf.num_experts, hf.moe_intermediate_size
+        # norm_topk_prob: softmax over all experts then renormalise the top-k == softmax over the top-k.
+        pre_softmax = not getattr(hf, "norm_topk_prob", False)
+    else:  # Mixtral: top-k on the logits, softmax over the k selected
+        num_experts, ffn, pre_softmax = hf.num_local_experts, hf.intermediate_size, False
+    return dict(num_moe_experts=num_experts, moe_router_topk=hf.num_experts_per_tok, moe_ffn_hidden_size=ffn,
+                moe_router_pre_softmax=pre_softmax, moe_grouped_gemm=False,
+                moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0, moe_router_dtype="fp32")
+
+
+def _attention_bias(hf: Any, arch: str) -> bool:
+    """Qwen2 has q/k/v biases (no o_proj bias); megatron cannot express an o_proj-only or MLP bias."""
+    if getattr(hf, "attention_bias", False) or getattr(hf, "mlp_bias", False):
+        raise ValueError(f"{arch} with attention_bias/mlp_bias=True is not supported (megatron's "
+                         "add_bias_linear would add biases to every linear layer)")
+    return arch == "Qwen2ForCausalLM"
+
+
+def mcore_model_config(hf_config: Any, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1, cp: int = 1,
+                       sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
+                       overrides: dict | None = None) -> MCoreModelConfig:
+    """Map an HF config to the megatron TransformerConfig and GPTModel arguments of the same model."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    arch = hf_architecture(hf_config)
+    hf = hf_config
+    overrides = dict(overrides or {})
+    _check_overrides(overrides, {f.name for f in dataclasses.fields(TransformerConfig)})
+    heads, groups = hf.num_attention_heads, hf.num_key_value_heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+    moe = _moe_fields(hf, arch) if arch in MOE_ARCHITECTURES else {}
+    _check_divisible(hf, heads, groups, tp, ep, moe.get("num_moe_experts"))
+    if hf.num_hidden_layers % pp:
+        raise ValueError(f"pp={pp} does not divide num_hidden_layers={hf.num_hidden_layers}; choose a divisor")
+    fields: dict[str, Any] = dict(
+        num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size, num_attention_heads=heads,
+        num_query_groups=groups, kv_channels=head_dim, ffn_hidden_size=hf.intermediate_size,
+        normalization="RMSNorm", layernorm_epsilon=hf.rms_norm_eps, gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False,
+        add_qkv_bias=_attention_bias(hf, arch), qk_layernorm=arch in QK_NORM_ARCHITECTURES,
+        hidden_dropout=0.0, attention_dropout=float(getattr(hf, "attention_dropout", 0.0) or 0.0),
+        params_dtype=params_dtype, pipeline_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16, use_cpu_initialization=not torch.cuda.is_available(),
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp, context_parallel_size=cp, sequence_parallel=sequence_parallel,
+        **moe,
+    )
+    window = getattr(hf, "sliding_window", None)
+    if window and arch == "MistralForCausalLM":
+        # HF: query i sees keys j with i - j < sliding_window; megatron's window is (left, right) inclusive.
+        fields["window_size"] = (int(window) - 1, 0)
+    fields.update(overrides)
+    pad_to = VOCAB_DIVISIBLE_BY * tp
+    return MCoreModelConfig(
+        transformer_config=TransformerConfig(**fields),
+        vocab_size=-(-hf.vocab_size // pad_to) * pad_to, hf_vocab_size=hf.vocab_size,
+        max_sequence_length=hf.max_position_embeddings,
+        share_embeddings_and_output_weights=bool(getattr(hf, "tie_word_embeddings", False)),
+        position_embedding_type="rope", arch=arch, **_rope_fields(hf))
+
+
+def te_available() -> bool:
+    """True when Transformer Engine can be used: CUDA present and TE importable."""
+    if not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None:
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # noqa: BLE001 - a broken TE install means: use the local spec
+        logger.warning("transformer_engine is installed but does not import; using the local layer spec")
+        return False
+    return True
+
+
+def layer_spec(cfg: MCoreModelConfig) -> Any:
+    """The layer spec, chosen once: Transformer Engine with CUDA, megatron's local modules otherwise."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    tc = cfg.transformer_config
+    kwargs = dict(num_experts=tc.num_moe_experts, moe_grouped_gemm=tc.moe_grouped_gemm,
+                  qk_layernorm=tc.qk_layernorm)
+    if te_available():
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**kwargs)
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization=tc.normalization, **kwargs)
+
+
+def build_gpt_model(cfg: MCoreModelConfig, *, pre_process: bool | None = None, post_process: bool | None = None,
+                    vp_stage: int | None = None) -> Any:
+    """Build the megatron GPTModel for this rank (parallel_state must be initialised by the caller)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    from ckpt_convert.megatron_cpu import ensure_cpu_compat
+
+    ensure_cpu_compat()
+    if pre_process is None:
+        pre_process = ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    if post_process is None:
+        post_process = ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    model = GPTModel(
+        config=cfg.transformer_config, transformer_layer_spec=layer_spec(cfg), vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.max_sequence_length, pre_process=pre_process, post_process=post_process,
+        share_embeddings_and_output_weights=cfg.share_embeddings_and_output_weights,
+        position_embedding_type=cfg.position_embedding_type, rotary_base=cfg.rotary_base,
+        rope_scaling=cfg.rope_scaling, rope_scaling_factor=cfg.rope_scaling_factor, vp_stage=vp_stage)
+    if cfg.rope_scaling and hasattr(model, "rotary_pos_emb"):
+        # GPTModel only forwards the llama3 `factor`; recompute inv_freq with all four HF parameters.
+        rope = model.rotary_pos_emb
+        dim = rope.inv_freq.numel() * 2
+        base = 1.0 / (cfg.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32,
+                                                       device=rope.inv_freq.device) / dim))
+        rope.inv_freq = rope._apply_scaling(
+            base, factor=cfg.rope_scaling_factor, low_freq_factor=cfg.rope_low_freq_factor,
+            high_freq_factor=cfg.rope_high_freq_factor,
+            original_max_position_embeddings=cfg.rope_original_max_position_embeddings)
+    return model

@@ -1,0 +1,260 @@
+"""Make megatron-core 0.16 run on a CPU-only torch under gloo (tests, CPU conversion checks).
+
+megatron-core assumes CUDA in a few dozen places. `ensure_cpu_compat()` patches exactly those we measured
+(shared/notes/megatron-cpu-probe, parts 1 and 2; each patch there was shown to be needed by switching it
+off) and does nothing when CUDA is available. `cpu_device_context()` covers the code paths that allocate
+on the literal device 'cuda' (optimizer build/step, the forward/backward schedules, DDP buffers); enter it
+only around those, it costs a Python call per torch function.
+
+This module owns no model code; it only adapts megatron to the CPU. It must be called before megatron
+modules are built (the norm and RNG patches act at construction and forward time).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+logger = logging.getLogger(__name__)
+
+_APPLIED: list[str] | None = None
+
+
+def ensure_cpu_compat() -> list[str]:
+    """Apply the CPU patches once (idempotent); return their names. No-op (empty list) with CUDA."""
+    global _APPLIED
+    if _APPLIED is not None:
+        return list(_APPLIED)
+    if torch.cuda.is_available():
+        _APPLIED = []
+        return []
+    applied = []
+    for patch in (_patch_current_device, _patch_rng_tracker, _patch_causal_masks, _patch_torch_norm,
+                  _patch_synchronize, _patch_moe, _patch_optimizer_state):
+        applied.extend(patch())
+    _APPLIED = applied
+    logger.info("megatron-core CPU patches applied: %s", ", ".join(applied))
+    return list(applied)
+
+
+class _CudaAsCpu(TorchFunctionMode):
+    """Redirect device='cuda' to the CPU, make Tensor.cuda() a no-op, and report CPU tensors' .type() with
+    the 'torch.cuda.' prefix: megatron's optimizers check `param.type() == 'torch.cuda.FloatTensor'`."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = dict(kwargs or {})
+        device = kwargs.get("device")
+        if device is not None and str(device).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cpu_device_context() -> Iterator[None]:
+    """Run megatron code that allocates on 'cuda' internally on the CPU; a no-op when CUDA is available."""
+    if torch.cuda.is_available():
+        yield
+        return
+    ensure_cpu_compat()
+    with _CudaAsCpu():
+        yield
+
+
+# --- the patches (each returns the names it applied) -----------------------------------------------------
+
+
+def _patch_current_device() -> list[str]:
+    # ~50 call sites allocate with device=torch.cuda.current_device() (attention's GlobalMemoryBuffer, TP
+    # collectives in tensor_parallel/mappings.py, rotary inv_freq, DDP buffers). A CUDA build without a GPU
+    # raises "Torch not compiled with CUDA enabled" / "no CUDA GPUs"; point those at the CPU.
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    return ["current_device->cpu"]
+
+
+def _patch_rng_tracker() -> list[str]:
+    # Dropout in attention and TP layers always enters get_cuda_rng_tracker().fork(), and
+    # model_parallel_cuda_manual_seed() seeds the tracker through torch.cuda.get_rng_state. Keep megatron's
+    # tracker (so seeding and get/set_states keep working) but store CPU generator states in it.
+    from megatron.core.tensor_parallel import random as mrandom
+
+    def add(self: Any, name: str, seed: int) -> None:
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        gen = torch.Generator()
+        gen.manual_seed(seed)
+        self.states_[name] = gen.get_state()
+
+    @contextlib.contextmanager
+    def fork(self: Any, name: str = mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added (call model_parallel_cuda_manual_seed first)")
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+    mrandom.CudaRNGStatesTracker.add = add
+    mrandom.CudaRNGStatesTracker.fork = fork
+    # Activation recompute saves/restores the "cuda" RNG state around the recomputed forward; the CPU
+    # state and the tracker states are saved separately, so the CUDA part becomes empty.
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.empty(0, dtype=torch.uint8)
+    mrandom._set_cuda_rng_state = lambda *a, **k: None
+    return ["rng-tracker->cpu-generator", "recompute-cuda-rng->noop"]
+
+
+def _patch_causal_masks() -> list[str]:
+    # With attention_mask=None and a causal mask type, the local DotProductAttention builds its mask with
+    # helpers that hard-code device="cuda".
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils as tutils
+
+    def causal_mask(sq: int) -> torch.Tensor:  # (sq, sq), True = masked
+        return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+    def sliding_window_mask(sq: int, skv: int, window_size: tuple[int, int]) -> torch.Tensor:
+        ones = torch.ones(sq, skv, dtype=torch.bool)
+        keep = torch.tril(torch.triu(ones, diagonal=skv - sq - window_size[0]), diagonal=skv - sq + window_size[1])
+        return ~keep
+
+    for mod in (tutils, fused_softmax):
+        if hasattr(mod, "get_default_causal_mask"):
+            mod.get_default_causal_mask = causal_mask
+        if hasattr(mod, "get_sliding_window_causal_mask"):
+            mod.get_sliding_window_causal_mask = sliding_window_mask
+    return ["causal-mask->cpu"]
+
+
+def _patch_torch_norm() -> list[str]:
+    # Without TE/Apex the local spec uses WrappedTorchNorm, which asserts "sequence parallel not supported
+    # by torch LayerNorm". A plain torch norm is correct under sequence parallelism as long as its params
+    # carry `.sequence_parallel = True`, so finalize_model_grads all-reduces their grads over TP.
+    from megatron.core.transformer import torch_norm
+
+    def new(cls: Any, config: Any, hidden_size: int, eps: float = 1e-5, **_unused: Any) -> torch.nn.Module:
+        kinds = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+        if config.normalization not in kinds:
+            raise ValueError(f"normalization={config.normalization!r} has no CPU torch norm; "
+                             f"use one of {sorted(kinds)}")
+        norm = kinds[config.normalization](hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = bool(config.sequence_parallel)
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = new
+    return ["torch-norm-sequence-parallel"]
+
+
+def _patch_synchronize() -> list[str]:
+    # torch.cuda.synchronize() is called unconditionally by p2p communication (variable_seq_lengths,
+    # batch_p2p_sync) and by dist_checkpointing's torch_dist save; it is not a torch function, so the
+    # TorchFunctionMode cannot catch it.
+    torch.cuda.synchronize = lambda *a, **k: None
+    return ["cuda-synchronize->noop"]
+
+
+class _CpuEvent:
+    def synchronize(self) -> None: ...
+    def wait(self, stream: Any = None) -> None: ...
+    def record(self, stream: Any = None) -> None: ...
+    def query(self) -> bool:
+        return True
+
+
+class _CpuStream:
+    def wait_stream(self, other: Any) -> None: ...
+    def wait_event(self, event: Any) -> None: ...
+    def synchronize(self) -> None: ...
+    def record_event(self, event: Any = None) -> _CpuEvent:
+        return _CpuEvent()
+
+
+def _patch_moe() -> list[str]:
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    # megatron-core 0.16.1 bug without transformer-engine: the router tests `te_general_gemm is not None`
+    # but the name is only bound when TE imports -> NameError in every MoE router forward.
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    # The alltoall dispatcher creates a side CUDA stream in __init__ (skipped when the class attribute is
+    # set) and syncs through current_stream()/stream()/events; all tensors are host tensors here.
+    default_stream = _CpuStream()
+    token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _CpuStream()
+    torch.cuda.current_stream = lambda device=None: default_stream
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+
+    # The dispatcher turns the all-to-all split sizes into numpy arrays only for .is_cuda tensors; gloo's
+    # all_to_all_single rejects tensor split sizes ("incompatible function arguments").
+    def to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor):
+            return tensor.detach().cpu().numpy()
+        return tensor
+
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
+    return ["moe-te_general_gemm", "cuda-streams->noop", "moe-split-sizes->numpy"]
+
+
+def _patch_optimizer_state() -> list[str]:
+    """DistributedOptimizer with torch.optim.Adam (no Apex/TE) checkpoint bugs, hit on CPU."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer as DistOpt
+
+    # (a) Loading a 'fully_reshardable' state copies every Adam state key including 'step', which the
+    # loader skipped on purpose (step comes from param_groups) -> KeyError 'step'. Hide 'step' meanwhile.
+    orig_set = DistOpt._set_main_param_and_optimizer_states
+
+    def set_states(self: Any, model_param: Any, tensors: dict) -> Any:
+        group_index, order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][order]]
+        step = state.pop("step", None)
+        try:
+            return orig_set(self, model_param, {k: v for k, v in tensors.items() if k != "step"})
+        finally:
+            if step is not None:
+                state["step"] = step
+
+    # (b) sharded_state_dict(is_loading=True) on a fresh optimizer reads the lazily created Adam 'step'
+    # -> AssertionError `len(steps) == 1`. Pre-create the state; the load overwrites it.
+    orig_ssd = DistOpt.sharded_state_dict
+
+    def sharded_state_dict(self: Any, model_sharded_state_dict: Any = None, is_loading: bool = False,
+                           *args: Any, **kwargs: Any) -> Any:
+        if is_loading and isinstance(self.optimizer, torch.optim.Adam | torch.optim.AdamW):
+            for group in self.optimizer.param_groups:
+                for param in group["params"]:
+                    state = self.optimizer.state[param]
+                    if not state:
+                        state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(param),
+                                     exp_avg_sq=torch.zeros_like(param))
+        return orig_ssd(self, model_sharded_state_dict or {}, is_loading, *args, **kwargs)
+
+    # (c) Silent: load_state_dict gives every param the SAME 'step' tensor, so each step() increments it
+    # once per param and Adam's bias correction goes wrong. Give each param its own copy.
+    orig_load = DistOpt.load_state_dict
+
+    def load_state_dict(self: Any, state_dict: Any) -> Any:
+        out = orig_load(self, state_dict)
+        for state in self.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+        return out
+
+    DistOpt._set_main_param_and_optimizer_states = set_states
+    DistOpt.sharded_state_dict = sharded_state_dict
+    DistOpt.load_state_dict = load_state_dict
+    return ["distopt-step-keyerror", "distopt-lazy-adam-state", "distopt-shared-step"]

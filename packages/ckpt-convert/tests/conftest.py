@@ -1,0 +1,29 @@
+"""Shared fixtures: tiny HF checkpoints (built once per session)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # for ckpt_convert_testutil (importlib import mode)
+
+import megatron.core.dist_checkpointing  # noqa: E402, F401
+
+# Import megatron (3-4 s) and apply the CPU patches once in the parent: run_distributed forks workers
+# that inherit both instead of paying the import per test.
+import megatron.core.models.gpt  # noqa: E402, F401
+from ckpt_convert.megatron_cpu import ensure_cpu_compat  # noqa: E402
+from ckpt_convert_testutil import ARCHS  # noqa: E402
+
+ensure_cpu_compat()
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """arch -> path of a tiny HF checkpoint (vocab 100: not a multiple of 128, so padding is exercised)."""
+    from rl_core.testing.tiny_models import save_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("hf")
+    return {arch: save_tiny_checkpoint(root / arch, arch, seed=3, vocab_size=100) for arch in ARCHS}
