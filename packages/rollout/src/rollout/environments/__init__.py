@@ -1,0 +1,15 @@
+"""Reward environments (rl-core `Environment`): a registry by name, the built-ins (`math`, `repeat_char`,
+`copy_digits`) and `function` for a user's `pkg.module:function`, all scored in a subprocess pool with a
+per-call time limit (rollout.environments.pool)."""
+
+from rollout.environments import builtin
+from rollout.environments.base import (
+    FunctionEnvironment,
+    create_environment,
+    environment_names,
+    register_environment,
+)
+from rollout.environments.builtin import toy_prompts
+
+__all__ = ["FunctionEnvironment", "builtin", "create_environment", "environment_names", "register_environment",
+           "toy_prompts"]

@@ -1,0 +1,84 @@
+"""Reward environments: `FunctionEnvironment` (any `pkg.module:function` in a worker pool) and the
+registry (`register_environment`, `create_environment`).
+
+A reward function is called as `fn(prompt=str, completion=str, metadata=dict, **fn_kwargs)` and returns
+a float, a bool, a dict with "reward" (and optionally "correct"), or an object with `.reward`. A call
+that raises, returns anything else, times out or kills its worker scores 0 with `error` set; the counts
+are in `last_metrics` (`reward/errors` for raised / bad values / crashes, `reward/timeouts`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from rl_core.interfaces import Environment, RewardRequest, RewardResult
+
+from rollout.environments.pool import RewardPool
+
+logger = logging.getLogger(__name__)
+
+_ENVIRONMENTS: dict[str, Callable[..., Environment]] = {}
+
+
+def register_environment(name: str) -> Callable[[Callable[..., Environment]], Callable[..., Environment]]:
+    """Class / factory decorator: make `create_environment(name, **kwargs)` build it."""
+
+    def decorate(factory: Callable[..., Environment]) -> Callable[..., Environment]:
+        _ENVIRONMENTS[name] = factory
+        return factory
+
+    return decorate
+
+
+def environment_names() -> list[str]:
+    return sorted(_ENVIRONMENTS)
+
+
+def create_environment(name: str, **kwargs: Any) -> Environment:
+    """Build environment `name` (config key `env.name`); an unknown name lists the registered ones."""
+    if name not in _ENVIRONMENTS:
+        raise ValueError(f"env.name={name!r} is not a registered environment; choose one of {environment_names()} "
+                         f"(or 'function' with fn='pkg.module:function')")
+    return _ENVIRONMENTS[name](**kwargs)
+
+
+@register_environment("function")
+class FunctionEnvironment:
+    """Scores completions with the reward function at import path `fn` in `num_workers` subprocesses."""
+
+    def __init__(self, fn: str, *, num_workers: int = 2, timeout_s: float = 10.0,
+                 fn_kwargs: dict[str, Any] | None = None) -> None:
+        self.pool = RewardPool(fn, num_workers=num_workers, timeout_s=timeout_s, fn_kwargs=fn_kwargs)
+        self.last_metrics: dict[str, float] = {}
+
+    def score(self, requests: Sequence[RewardRequest]) -> list[RewardResult]:
+        """One result per request, in order; failures score 0 and are counted in `last_metrics`."""
+        outcomes = self.pool.run([(r.prompt, r.completion, dict(r.metadata)) for r in requests])
+        results = []
+        for outcome in outcomes:
+            if outcome.status == "ok":
+                results.append(RewardResult(reward=outcome.reward, correct=outcome.correct))
+            else:
+                results.append(RewardResult(reward=0.0, correct=None, error=f"{outcome.status}: {outcome.message}"))
+        errors = sum(o.status in ("error", "crash") for o in outcomes)
+        timeouts = sum(o.status == "timeout" for o in outcomes)
+        if errors or timeouts:
+            first = next(o for o in outcomes if o.status != "ok")
+            logger.warning("%d reward errors, %d timeouts in %d calls (first: %s)", errors, timeouts,
+                           len(outcomes), (first.message or "")[:300])
+        num = max(len(results), 1)
+        graded = [r.correct for r in results if r.correct is not None]
+        self.last_metrics = {
+            "reward/calls": float(len(results)),
+            "reward/errors": float(errors),
+            "reward/timeouts": float(timeouts),
+            "reward/mean": sum(r.reward for r in results) / num,
+        }
+        if graded:
+            self.last_metrics["reward/accuracy"] = sum(graded) / len(graded)
+        return results
+
+    def close(self) -> None:
+        self.pool.close()

@@ -1,0 +1,122 @@
+"""Reward environments: math-verify equivalences, boxed extraction, toy rewards, and the worker pool's
+handling of crashes, timeouts and bad return values (counted, scored 0, run goes on)."""
+
+from __future__ import annotations
+
+import textwrap
+import time
+
+import pytest
+from rl_core.interfaces import Environment, RewardRequest
+from rollout.environments import create_environment, environment_names, toy_prompts
+from rollout.rewards.math_answer import last_boxed_answer, math_reward
+from rollout.rewards.toy import repeat_char_reward
+
+FLAKY = textwrap.dedent('''
+    import os, time
+
+    def flaky(*, prompt, completion, metadata):
+        mode = metadata["mode"]
+        if mode == "raise":
+            raise RuntimeError("boom")
+        if mode == "crash":
+            os._exit(3)
+        if mode == "hang":
+            time.sleep(60)
+        if mode == "nan":
+            return float("nan")
+        if mode == "str":
+            return "high"
+        return {"reward": len(completion) / 10, "correct": True}
+''')
+
+
+@pytest.fixture(scope="module")
+def math_env():
+    env = create_environment("math", num_workers=1, timeout_s=30.0)
+    yield env
+    env.close()
+
+
+def req(completion: str, **metadata) -> RewardRequest:
+    return RewardRequest(prompt="p", completion=completion, metadata=metadata)
+
+
+def test_math_answers_equal_under_math_verify(math_env):
+    assert isinstance(math_env, Environment)
+    golds = ["1/2", "0.5", "\\frac{1}{2}"]
+    answers = ["so \\boxed{1/2}.", "The answer is $\\boxed{0.5}$", "\\boxed{\\frac{1}{2}}", "\\boxed{\\frac12}"]
+    requests = [req(a, answer=g) for g in golds for a in answers]
+    wrong = [req("\\boxed{1/3}", answer="0.5"), req("\\boxed{2}", answer="\\frac{1}{2}"), req("no idea", answer="7")]
+    results = math_env.score(requests + wrong)
+    assert [r.reward for r in results] == [1.0] * len(requests) + [0.0] * len(wrong)
+    assert [r.correct for r in results] == [True] * len(requests) + [False] * len(wrong)
+    assert math_env.last_metrics["reward/accuracy"] == pytest.approx(len(requests) / len(results))
+
+
+def test_boxed_extraction_takes_the_last_balanced_box():
+    assert last_boxed_answer("first \\boxed{1} then \\boxed{\\frac{3}{4}} end") == "\\frac{3}{4}"
+    assert last_boxed_answer("\\boxed{{a}+{b}}") == "{a}+{b}"
+    assert last_boxed_answer("cut off \\boxed{\\frac{1}{2") is None
+    assert last_boxed_answer("no box 42") is None
+    # The last box decides, even when an earlier one holds the right answer.
+    assert math_reward(prompt="", completion="\\boxed{5} no, \\boxed{6}", metadata={"answer": "5"})["reward"] == 0.0
+    assert math_reward(prompt="", completion="it is 5", metadata={"answer": "5"}, require_boxed=True)["reward"] == 0.0
+    assert math_reward(prompt="", completion="it is 5", metadata={"answer": "5"})["reward"] == 1.0
+
+
+def test_repeat_char_reward_gives_partial_credit():
+    meta = {"target": "7"}
+    score = lambda c: repeat_char_reward(prompt="ab7:", completion=c, metadata=meta)  # noqa: E731
+    assert score("7777") == pytest.approx(1.0)
+    assert score("7777</s>") == pytest.approx(1.0)
+    assert score("77") == pytest.approx(0.8 * 2 / 4)
+    assert score("7x7y") == pytest.approx(0.8 * 2 / 4 + 0.2)
+    assert score("77777") == pytest.approx(0.8)  # right characters, did not stop
+    assert score("") == 0.0
+    # The target is parsed from the prompt when metadata lacks it.
+    assert repeat_char_reward(prompt="qq3:", completion="3333", metadata={}) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("task", ["repeat_char", "copy_digits"])
+def test_toy_prompts_split_train_and_held_out(task):
+    train = toy_prompts(task, 200, split="train", seed=0)
+    val = toy_prompts(task, 50, split="validation", seed=0)
+    assert len(train) == 200 and len(val) == 50
+    assert not {p["prompt"] for p in train} & {p["prompt"] for p in val}
+    assert toy_prompts(task, 20, seed=0) == toy_prompts(task, 20, seed=0)
+    env = create_environment(task, num_workers=0)
+    ideal = [RewardRequest(prompt=p["prompt"], completion=p["metadata"]["target"] * (4 if task == "repeat_char" else 1),
+                           metadata=p["metadata"]) for p in val]
+    assert [r.reward for r in env.score(ideal)] == pytest.approx([1.0] * len(val))
+
+
+def test_pool_survives_crash_timeout_and_bad_values(tmp_path, monkeypatch):
+    (tmp_path / "flaky_rewards.py").write_text(FLAKY)
+    monkeypatch.syspath_prepend(str(tmp_path))  # spawned workers inherit sys.path
+    env = create_environment("function", fn="flaky_rewards:flaky", num_workers=2, timeout_s=2.0)
+    try:
+        modes = ["ok", "raise", "crash", "hang", "nan", "str", "ok"]
+        start = time.monotonic()
+        results = env.score([req("x" * i, mode=m) for i, m in enumerate(modes)])
+        assert time.monotonic() - start < 30
+        assert [r.reward for r in results] == [0.0, 0, 0, 0, 0, 0, 0.6]
+        assert [r.error is None for r in results] == [True, False, False, False, False, False, True]
+        assert "RuntimeError: boom" in results[1].error and "exit code 3" in results[2].error
+        assert "timeout" in results[3].error and "TypeError" in results[5].error
+        assert env.last_metrics["reward/errors"] == 4 and env.last_metrics["reward/timeouts"] == 1
+        again = env.score([req("abc", mode="ok")] * 4)  # the pool replaced its dead workers
+        assert [r.reward for r in again] == pytest.approx([0.3] * 4)
+        assert env.last_metrics["reward/errors"] == 0 and env.last_metrics["reward/timeouts"] == 0
+    finally:
+        env.close()
+
+
+def test_bad_names_are_clear_errors():
+    with pytest.raises(ValueError, match=r"'nope' is not a registered environment.*'math'"):
+        create_environment("nope")
+    with pytest.raises(ValueError, match="pkg.module:function"):
+        create_environment("function", fn="no_colon_here", num_workers=0)
+    with pytest.raises(ValueError, match="no_such_module_xyz"):
+        create_environment("function", fn="no_such_module_xyz:f", num_workers=1)
+    assert {"math", "repeat_char", "copy_digits", "function"} <= set(environment_names())
