@@ -28,17 +28,7 @@ def _naive_decreasing(lengths):
 
 
 def naive_ffd(lengths, capacity):
-    bins, loads = [], []
-    for i in _naive_decreasing(lengths):
-        for b in range(len(bins)):  # first bin with room
-            if loads[b] + lengths[i] <= capacity:
-                bins[b].append(i)
-                loads[b] += lengths[i]
-                break
-        else:
-            bins.append([i])
-            loads.append(lengths[i])
-    return bins
+    return naive_ffd_of(_naive_decreasing(lengths), lengths, capacity)
 
 
 def naive_bfd(lengths, capacity):
@@ -49,6 +39,62 @@ def naive_bfd(lengths, capacity):
             b = min(fits, key=lambda b: (capacity - loads[b], b))  # least room left, lowest id on ties
             bins[b].append(i)
             loads[b] += lengths[i]
+        else:
+            bins.append([i])
+            loads.append(lengths[i])
+    return bins
+
+
+def naive_mffd(lengths, capacity):
+    """Johnson-Garey MFFD on plain lists, step by step from the paper's description."""
+    order = _naive_decreasing(lengths)
+    large = [i for i in order if lengths[i] > capacity / 2]
+    rest = [i for i in order if lengths[i] <= capacity / 2]  # decreasing, ties by index
+    bins = [[i] for i in large]
+    room = [capacity - lengths[i] for i in large]
+
+    def largest_fitting(limit, low, high):  # largest remaining with low < s <= high and s <= limit
+        fits = [i for i in rest if low < lengths[i] <= high and lengths[i] <= limit]
+        return fits[0] if fits else None  # rest is decreasing, lowest index first on ties
+
+    has_medium = [False] * len(bins)
+    for b in range(len(bins)):
+        i = largest_fitting(room[b], capacity / 3, capacity / 2)
+        if i is not None:
+            bins[b].append(i), rest.remove(i)
+            room[b] -= lengths[i]
+            has_medium[b] = True
+    for b in reversed(range(len(bins))):
+        if has_medium[b]:
+            continue
+        small = [i for i in rest if 11 * capacity / 71 < lengths[i] <= capacity / 3]
+        if len(small) < 2:
+            break
+        s1 = min(small, key=lambda i: (lengths[i], i))
+        s2 = min((i for i in small if i != s1), key=lambda i: lengths[i])
+        if lengths[s1] + lengths[s2] > room[b]:
+            break
+        bins[b].append(s1), rest.remove(s1)
+        room[b] -= lengths[s1]
+        i = largest_fitting(room[b], 11 * capacity / 71, capacity / 3)
+        bins[b].append(i), rest.remove(i)
+        room[b] -= lengths[i]
+    for b in range(len(bins)):
+        while (i := largest_fitting(room[b], 0, capacity)) is not None:
+            bins[b].append(i), rest.remove(i)
+            room[b] -= lengths[i]
+    return bins + naive_ffd_of(rest, lengths, capacity)
+
+
+def naive_ffd_of(order, lengths, capacity):
+    """First fit in the given order, scanning every open bin."""
+    bins, loads = [], []
+    for i in order:
+        for b in range(len(bins)):
+            if loads[b] + lengths[i] <= capacity:
+                bins[b].append(i)
+                loads[b] += lengths[i]
+                break
         else:
             bins.append([i])
             loads.append(lengths[i])
@@ -101,6 +147,13 @@ def test_concat_keeps_order_and_opens_bins_only_when_needed(data):
     assert [i for b in bins for i in b] == list(range(len(lengths)))
     for prev, nxt in zip(bins, bins[1:]):  # the next bin's first sequence did not fit in the previous bin
         assert sum(lengths[i] for i in prev) + lengths[nxt[0]] > capacity
+
+
+@FAST
+@given(data=lengths_and_capacity())
+def test_mffd_matches_naive_mffd(data):
+    lengths, capacity = data
+    assert pack_bins(lengths, capacity, "mffd") == naive_mffd(lengths, capacity)
 
 
 @settings(max_examples=40, deadline=None)

@@ -48,8 +48,18 @@ def test_budgets_cover_and_windows(case):
             assert cost(lengths, mb, case["packing"], case["round_to"]) <= case["max_tokens"]
         if case["max_seqs"] is not None:
             assert len(mb) <= case["max_seqs"]
-        if case["sort_window"] is not None and case["max_tokens"] is not None:
-            assert len({i // case["sort_window"] for i in mb}) <= 1  # never mixes windows
+        if case["packing"] and case["sort_window"] is not None and case["max_tokens"] is not None:
+            assert len({i // case["sort_window"] for i in mb}) <= 1  # bins never mix windows
+    if not case["packing"] and (case["max_tokens"], case["max_seqs"]) != (None, None):
+        # padded: micro-batches are consecutive runs of the window-sorted order
+        window = case["sort_window"] or len(lengths)
+        rounded = [-(-n // case["round_to"]) for n in lengths]
+        expected = []
+        for start in range(0, len(lengths), window):
+            expected += sorted(
+                range(start, min(start + window, len(lengths))), key=lambda i: (-rounded[i], i)
+            )
+        assert [i for mb in plan.micro_batches for i in mb] == expected
     if len(lengths) >= case["min_micro_batches"]:
         assert all(plan.micro_batches)  # empty micro-batches only when there are too few sequences
 
@@ -71,6 +81,12 @@ def test_padded_sorting_reduces_padding():
     lengths = [10, 100, 12, 98, 11, 97]
     plan = plan_micro_batches(lengths, max_tokens=300)
     assert sorted(sorted(mb) for mb in plan.micro_batches) == [[0, 2, 4], [1, 3, 5]]
+
+
+def test_sort_window_one_keeps_input_order_and_spans_windows():
+    # arrival order: [10, 100] costs 2 x 100 = 200; adding 12 would cost 300; [12, 98] costs 196
+    plan = plan_micro_batches([10, 100, 12, 98], max_tokens=200, sort_window=1)
+    assert plan.micro_batches == [[0, 1], [2, 3]]
 
 
 def test_packing_fills_bins_to_the_budget():

@@ -43,54 +43,70 @@ def pack_bins(lengths: Sequence[int] | np.ndarray, capacity: int, algorithm: str
     return ALGORITHMS[algorithm](arr, capacity)
 
 
-def _decreasing_order(arr: np.ndarray) -> list[int]:
+def _decreasing_order(arr: np.ndarray) -> np.ndarray:
     """Indices by decreasing length, equal lengths by increasing index."""
-    return np.argsort(-arr, kind="stable").tolist()
+    return np.argsort(-arr, kind="stable")
 
 
-def _max_bins(lens: list[int], capacity: int) -> int:
+def _max_bins(total: int, count: int, capacity: int) -> int:
     # Any first-fit packing has content(i) + content(j) > capacity for bins i < j (each item of bin j did
     # not fit into bin i), so bins < 2 * total / capacity + 2: the segment tree never needs more leaves.
-    return min(len(lens), 2 * sum(lens) // capacity + 2)
+    return max(1, min(count, 2 * total // capacity + 2))
 
 
-def _first_fit(order: Sequence[int], lens: list[int], capacity: int) -> list[list[int]]:
-    """Place items in `order` into the first bin with room (bins opened on demand)."""
-    if not order:
+def _runs(order: np.ndarray, arr: np.ndarray) -> list[tuple[int, int, int]]:
+    """(length, start, end) of each run of equal lengths in `order` (which is sorted by decreasing length)."""
+    if len(order) == 0:
         return []
-    size = 1 << (max(_max_bins([lens[i] for i in order], capacity), 1) - 1).bit_length()
+    sorted_lens = arr[order]
+    cuts = (np.flatnonzero(np.diff(sorted_lens)) + 1).tolist()
+    starts, ends = [0, *cuts], [*cuts, len(order)]
+    return [(int(sorted_lens[s]), s, e) for s, e in zip(starts, ends)]
+
+
+def _first_fit(order: np.ndarray, arr: np.ndarray, capacity: int) -> list[list[int]]:
+    """First fit for items in `order` (decreasing length): each goes to the first bin with room."""
+    if len(order) == 0:
+        return []
+    max_bins = _max_bins(int(arr[order].sum()), len(order), capacity)
+    size = 1 << (max_bins - 1).bit_length()
     # tree[1] is the root; leaves tree[size + b] hold bin b's remaining room (unopened bins: full capacity),
     # inner nodes the max of their children, so "first bin with room >= L" is one descent.
     tree = [capacity] * (2 * size)
     bins: list[list[int]] = []
-    for idx in order:
-        need = lens[idx]
-        if tree[1] < need:  # cannot happen given _max_bins; guards against a silent wrong packing
-            raise RuntimeError(f"first-fit tree of {size} bins is full; this is a seqpack bug")
-        node = 1
-        while node < size:
-            node <<= 1
-            if tree[node] < need:
-                node += 1
-        tree[node] -= need
-        b = node - size
-        if b == len(bins):
-            bins.append([idx])
-        else:
-            bins[b].append(idx)
-        node >>= 1
-        while node:
-            left, right = tree[2 * node], tree[2 * node + 1]
-            best = left if left > right else right
-            if tree[node] == best:
-                break  # ancestors unchanged: stop early, most updates touch one or two levels
-            tree[node] = best
+    items = order.tolist()
+    for need, pos, end in _runs(order, arr):
+        while pos < end:
+            if tree[1] < need:  # cannot happen given _max_bins; guards against a silent wrong packing
+                raise RuntimeError(f"first-fit tree of {size} bins is full; this is a seqpack bug")
+            node = 1
+            while node < size:
+                node <<= 1
+                if tree[node] < need:
+                    node += 1
+            # Equal items that follow go to this same bin while it has room (bins before it had none).
+            room = tree[node]
+            take = min(end - pos, room // need)
+            b = node - size
+            if b == len(bins):
+                bins.append(items[pos : pos + take])
+            else:
+                bins[b].extend(items[pos : pos + take])
+            pos += take
+            tree[node] = room - take * need
             node >>= 1
+            while node:
+                left, right = tree[2 * node], tree[2 * node + 1]
+                best = left if left > right else right
+                if tree[node] == best:
+                    break  # ancestors unchanged: stop early, most updates touch one or two levels
+                tree[node] = best
+                node >>= 1
     return bins
 
 
 def _ffd(arr: np.ndarray, capacity: int) -> list[list[int]]:
-    return _first_fit(_decreasing_order(arr), arr.tolist(), capacity)
+    return _first_fit(_decreasing_order(arr), arr, capacity)
 
 
 def _bfd(arr: np.ndarray, capacity: int) -> list[list[int]]:
@@ -99,7 +115,7 @@ def _bfd(arr: np.ndarray, capacity: int) -> list[list[int]]:
     rooms: list[int] = []  # sorted distinct remaining room of open bins (room > 0); at most `capacity` values
     bins_by_room: dict[int, list[int]] = {}  # room -> min-heap of bin ids
     bins: list[list[int]] = []
-    for idx in _decreasing_order(arr):
+    for idx in _decreasing_order(arr).tolist():
         need = lens[idx]
         pos = bisect_left(rooms, need)
         if pos == len(rooms):
@@ -139,12 +155,12 @@ def _concat(arr: np.ndarray, capacity: int) -> list[list[int]]:
 class _LengthPool:
     """Unplaced items grouped by length: sorted distinct lengths, and a stack of indices per length."""
 
-    def __init__(self, indices: Sequence[int], lens: list[int]) -> None:
-        self.lens = lens
-        self.stacks: dict[int, list[int]] = {}
-        for idx in sorted(indices, reverse=True):  # pop() then yields the lowest index first
-            self.stacks.setdefault(lens[idx], []).append(idx)
+    def __init__(self, order: np.ndarray, arr: np.ndarray) -> None:
+        """`order`: indices by decreasing length, ties by increasing index."""
+        # Stacks are reversed runs, so pop() yields the lowest index of a length first.
+        self.stacks = {length: order[s:e][::-1].tolist() for length, s, e in _runs(order, arr)}
         self.values = sorted(self.stacks)
+        self.taken: list[int] = []
 
     def largest_at_most(self, limit: int, above: int = 0) -> int | None:
         """Largest remaining length in (above, limit], or None."""
@@ -168,13 +184,11 @@ class _LengthPool:
     def take(self, length: int) -> int:
         stack = self.stacks[length]
         idx = stack.pop()
+        self.taken.append(idx)
         if not stack:
             del self.stacks[length]
             self.values.pop(bisect_left(self.values, length))
         return idx
-
-    def decreasing(self) -> list[int]:
-        return [idx for v in reversed(self.values) for idx in reversed(self.stacks[v])]
 
 
 def _mffd(arr: np.ndarray, capacity: int) -> list[list[int]]:
@@ -191,10 +205,12 @@ def _mffd(arr: np.ndarray, capacity: int) -> list[list[int]]:
     order = _decreasing_order(arr)
     # Integer class bounds: length l is large iff 2l > C, medium iff 3l > C, small iff 71l > 11C.
     half, third, small_lo = capacity // 2, capacity // 3, (11 * capacity) // 71
-    num_large = sum(1 for idx in order if 2 * lens[idx] > capacity)
-    bins = [[idx] for idx in order[:num_large]]
-    rooms = [capacity - lens[idx] for idx in order[:num_large]]
-    pool = _LengthPool(order[num_large:], lens)
+    num_large = int(np.count_nonzero(2 * arr > capacity))
+    bins = [[idx] for idx in order[:num_large].tolist()]
+    rooms = [capacity - lens[idx] for idx in order[:num_large].tolist()]
+    if num_large == 0:
+        return _first_fit(order, arr, capacity)  # steps (2)-(4) need large bins: plain FFD
+    pool = _LengthPool(order[num_large:], arr)
     has_medium = [False] * num_large
     for b in range(num_large):  # (2)
         length = pool.largest_at_most(min(rooms[b], half), above=third)
@@ -217,7 +233,12 @@ def _mffd(arr: np.ndarray, capacity: int) -> list[list[int]]:
         while (length := pool.largest_at_most(rooms[b])) is not None:
             bins[b].append(pool.take(length))
             rooms[b] -= length
-    return bins + _first_fit(pool.decreasing(), lens, capacity)  # (5)
+    rest = order[num_large:]
+    if pool.taken:
+        placed = np.zeros(len(arr), dtype=bool)
+        placed[pool.taken] = True
+        rest = rest[~placed[rest]]  # still by decreasing length, ties by index
+    return bins + _first_fit(rest, arr, capacity)  # (5)
 
 
 ALGORITHMS: dict[str, Callable[[np.ndarray, int], list[list[int]]]] = {

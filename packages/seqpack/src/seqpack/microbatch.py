@@ -88,8 +88,10 @@ def plan_micro_batches(
 ) -> MicroBatchPlan:
     """Cut a batch into micro-batches of cost <= max_tokens and at most max_seqs sequences each.
 
-    sort_window: sequences are sorted (padded) or bin-packed (packing) only within consecutive windows of
-    this many sequences; None means one window over the whole batch. min_micro_batches: split the costliest
+    sort_window: sequences are reordered only within consecutive windows of this many sequences (None: one
+    window over the whole batch). Padded: each window is sorted by decreasing length and the budget cut runs
+    over the windows in turn, so a micro-batch may span a window boundary (sort_window=1 keeps the input
+    order). Packed: each window is bin-packed on its own. min_micro_batches: split the costliest
     micro-batch until there are that many, or append empty ones when every micro-batch holds a single
     sequence (engines run a zero-weight dummy pass for those, so all DP ranks run the same number).
     """
@@ -110,12 +112,17 @@ def plan_micro_batches(
             )
     if max_tokens is None and max_seqs is None:
         micro_batches = [list(range(len(arr)))]
-    else:
+    elif packing:
         micro_batches = []
         for start in range(0, len(arr), window):
             idx = np.arange(start, min(start + window, len(arr)))
-            plan = _plan_packed if packing else _plan_padded
-            micro_batches += plan(idx, costs, max_tokens, max_seqs, algorithm)
+            micro_batches += _plan_packed(idx, costs, max_tokens, max_seqs, algorithm)
+    else:
+        starts = range(0, len(arr), window)
+        order = [
+            i for s in starts for i in _by_decreasing_cost(np.arange(s, min(s + window, len(arr))), costs)
+        ]
+        micro_batches = _plan_padded(order, costs, max_tokens, max_seqs)
     micro_batches = _ensure_min(micro_batches, min_micro_batches, costs, packing)
     logger.debug("planned %d micro-batches for %d sequences", len(micro_batches), len(arr))
     return MicroBatchPlan(micro_batches)
@@ -126,18 +133,22 @@ def _by_decreasing_cost(idx: np.ndarray, costs: np.ndarray) -> list[int]:
 
 
 def _plan_padded(
-    idx: np.ndarray, costs: np.ndarray, max_tokens: int | None, max_seqs: int | None, algorithm: str
+    order: list[int], costs: np.ndarray, max_tokens: int | None, max_seqs: int | None
 ) -> list[list[int]]:
-    # Sorted by decreasing cost, each micro-batch's first sequence is its longest, so a greedy cut keeps
-    # len(mb) * first <= max_tokens; sorting is what keeps the padding small.
+    """Cut `order` greedily into runs with len * longest <= max_tokens and len <= max_seqs."""
+    # Sorting (within windows) is what keeps the padding small: neighbours have similar lengths.
     tokens = max_tokens if max_tokens is not None else float("inf")
-    seqs = max_seqs if max_seqs is not None else len(idx)
+    seqs = max_seqs if max_seqs is not None else len(order)
     out: list[list[int]] = []
-    for i in _by_decreasing_cost(idx, costs):
-        if out and len(out[-1]) < seqs and (len(out[-1]) + 1) * costs[out[-1][0]] <= tokens:
+    longest = 0
+    for i in order:
+        c = int(costs[i])
+        if out and len(out[-1]) < seqs and (len(out[-1]) + 1) * max(longest, c) <= tokens:
             out[-1].append(i)
+            longest = max(longest, c)
         else:
             out.append([i])
+            longest = c
     return out
 
 
