@@ -123,6 +123,29 @@ def test_packed_sdpa_equals_per_sequence_sdpa():
     assert torch.isfinite(packed).all()  # padding rows attend to themselves: no NaN anywhere
 
 
+def test_pack_and_unpack_pass_gradients():
+    seqs = [torch.randn(n, 2, dtype=torch.float64, requires_grad=True) for n in (3, 5)]
+    row, layout = pack(seqs, pad_multiple=4)
+    weights = torch.arange(row.numel(), dtype=torch.float64).view_as(row)
+    (row * weights).sum().backward()
+    for s, w in zip(seqs, unpack(weights, layout)):
+        assert torch.equal(s.grad, w)
+
+
+@pytest.mark.gpu
+def test_layout_and_cp_stay_on_the_tensors_device():
+    from seqpack import cp_gather, cp_shard
+
+    seqs = [torch.randn(n, 4, device="cuda") for n in (3, 9, 2)]
+    row, layout = pack(seqs, pad_multiple=4, total_multiple=8)
+    for t in (row, layout.cu_seqlens, layout.cu_seqlens_padded, layout.position_ids, layout.seq_ids):
+        assert t.device.type == "cuda"
+    assert block_causal_mask(layout).device.type == "cuda"
+    shards = [cp_shard(row, layout, 2, r) for r in range(2)]
+    assert torch.equal(cp_gather(shards, layout, 2), row)
+    assert all(torch.equal(a, b) for a, b in zip(unpack(row, layout), seqs))
+
+
 def test_bad_input():
     with pytest.raises(ValueError, match="empty"):
         pack([])

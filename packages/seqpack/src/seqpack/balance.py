@@ -31,7 +31,7 @@ def balance_partitions(
     other); if the plain greedy split happens to have a smaller spread on this input, that one is returned,
     so "kk" is never worse than "greedy". method "greedy": longest first, each to the lightest partition.
     equal_size: partition sizes differ by at most one (equal when k divides the number of sequences).
-    With more partitions than sequences some partitions are empty (unless equal_size forbids it: then too).
+    With more partitions than sequences some partitions are empty.
     """
     arr = as_lengths(lengths)
     k = check_positive_int(k, "k")
