@@ -35,6 +35,7 @@ def test_partitions_cover_every_sequence_once(method, lengths, k, equal_size):
     parts = balance_partitions(lengths, k, method=method, equal_size=equal_size)
     assert len(parts) == k
     assert sorted(i for p in parts for i in p) == list(range(len(lengths)))
+    assert all(type(i) is int for p in parts for i in p)
     if equal_size:
         counts = [len(p) for p in parts]
         assert max(counts) - min(counts) <= 1

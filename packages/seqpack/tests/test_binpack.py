@@ -122,6 +122,7 @@ def test_bins_are_a_partition_within_capacity(algorithm, data):
     bins = pack_bins(lengths, capacity, algorithm)
     assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
     assert all(b for b in bins)
+    assert all(type(i) is int for b in bins for i in b)  # plain ints, not numpy scalars (JSON, Ray)
     assert max(sum(lengths[i] for i in b) for b in bins) <= capacity
 
 

@@ -42,6 +42,7 @@ def test_budgets_cover_and_windows(case):
     lengths = case["lengths"]
     plan = plan_micro_batches(**case)
     assert sorted(i for mb in plan.micro_batches for i in mb) == list(range(len(lengths)))
+    assert all(type(i) is int for mb in plan.micro_batches for i in mb)
     assert len(plan.micro_batches) >= case["min_micro_batches"]
     for mb in plan.micro_batches:
         if case["max_tokens"] is not None:

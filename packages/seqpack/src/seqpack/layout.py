@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["PackedLayout", "block_causal_mask", "pack", "pack_like", "unpack"]
 
 
-@dataclass
+@dataclass(eq=False)  # tensor fields: == would be ambiguous, compare fields explicitly
 class PackedLayout:
     """How S sequences sit in one packed row of length T."""
 
