@@ -1,0 +1,169 @@
+"""Checkpoints and weight export of a parallelised model.
+
+Owns: `torch.distributed.checkpoint` (DCP) save/load of model + optimizer (sharded, reshardable),
+scheduler and per-rank RNG state, written to `<path>.tmp` and renamed into place so that a crash never
+leaves a half-written `<path>`; streaming export of full HF-named tensors (one all-gather at a time);
+`save_hf` (safetensors shards + config + tokenizer files) that `AutoModelForCausalLM.from_pretrained`
+loads. The filesystem must be shared by all ranks (one node, or a network filesystem).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+
+from engine_dtensor.parallelize import hf_name
+
+logger = logging.getLogger(__name__)
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _replace_dir(tmp: Path, final: Path) -> None:
+    """Rename `tmp` to `final`; an existing `final` is moved aside first and removed after."""
+    old = final.with_name(final.name + ".old")
+    if old.exists():
+        shutil.rmtree(old)
+    if final.exists():
+        os.rename(final, old)
+    os.rename(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _prepare_tmp(path: str) -> Path:
+    final = Path(path)
+    tmp = final.with_name(final.name + ".tmp")
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    return tmp
+
+
+def _commit(tmp: Path, path: str) -> None:
+    _barrier()  # every rank has finished writing
+    if _rank() == 0:
+        _replace_dir(tmp, Path(path))
+    _barrier()
+
+
+def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: object) -> None:
+    """DCP model + optimizer shards, plus scheduler and this rank's RNG state, atomically at `path`."""
+    tmp = _prepare_tmp(path)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    extra = {"scheduler": scheduler.state_dict(), "rng": rng_state()}
+    torch.save(extra, tmp / f"extra_rank{_rank()}.pt")
+    _commit(tmp, path)
+    logger.info("saved checkpoint %s", path)
+
+
+def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: object) -> None:
+    """Restore what `save_checkpoint` wrote (resharding to this run's layout if it differs)."""
+    if not (Path(path) / ".metadata").exists():
+        raise ValueError(f"{path!r} is not a DTensor engine checkpoint (no DCP .metadata file in it)")
+    model_sd, optim_sd = get_state_dict(model, optimizer)  # the target layout, incl. empty optimizer state
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    extra_file = Path(path) / f"extra_rank{_rank()}.pt"
+    if not extra_file.exists():  # loaded at a larger world size: ranks without a file reuse rank 0's RNG
+        logger.warning("%s not found (checkpoint from fewer ranks); using rank 0's RNG state", extra_file)
+        extra_file = Path(path) / "extra_rank0.pt"
+    extra = torch.load(extra_file, weights_only=False)
+    scheduler.load_state_dict(extra["scheduler"])
+    set_rng_state(extra["rng"])
+    logger.info("loaded checkpoint %s", path)
+
+
+def export_hf_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """Full tensors under HF names, one all-gather at a time; every rank must consume the iterator."""
+    seen: set[int] = set()
+    for name, tensor in model.state_dict().items():
+        if id(tensor) in seen:  # tied weights: one name per storage, HF re-ties them
+            continue
+        seen.add(id(tensor))
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        yield hf_name(name), full.detach()
+
+
+def save_hf(path: str, model: nn.Module, source_dir: str, max_shard_bytes: int = 2 << 30) -> None:
+    """Safetensors shards + config (+ tokenizer files copied from `source_dir`) at `path`, atomically."""
+    from safetensors.torch import save_file
+
+    tmp = _prepare_tmp(path)
+    rank0 = _rank() == 0
+    shard: dict[str, Tensor] = {}
+    weight_map: dict[str, str] = {}
+    num_bytes = num_files = 0
+
+    def flush() -> None:  # write the current shard and start a new one (bounded host memory)
+        nonlocal shard, num_bytes, num_files
+        num_files += 1
+        name = f"model-{num_files:05d}.safetensors"
+        save_file(shard, str(tmp / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+        shard, num_bytes = {}, 0
+
+    for name, tensor in export_hf_weights(model):  # all ranks gather; rank 0 writes
+        if rank0:
+            shard[name] = tensor.cpu().contiguous()
+            num_bytes += tensor.numel() * tensor.element_size()
+            if num_bytes >= max_shard_bytes:
+                flush()
+    if rank0:
+        if shard or not num_files:
+            flush()
+        _write_index_and_config(tmp, weight_map, model, source_dir)
+    _commit(tmp, path)
+    logger.info("saved HF checkpoint %s", path)
+
+
+def _write_index_and_config(tmp: Path, weight_map: dict[str, str], model: nn.Module, source_dir: str) -> None:
+    shard_names = sorted(set(weight_map.values()))
+    if len(shard_names) == 1:
+        os.rename(tmp / shard_names[0], tmp / "model.safetensors")
+    else:
+        index = {"metadata": {}, "weight_map": weight_map}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    model.config.save_pretrained(tmp)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(tmp)
+    for item in Path(source_dir).iterdir():  # tokenizer and other side files
+        if item.is_file() and not item.name.endswith(WEIGHT_SUFFIXES) and not (tmp / item.name).exists():
+            shutil.copy2(item, tmp / item.name)

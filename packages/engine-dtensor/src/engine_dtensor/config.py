@@ -1,0 +1,53 @@
+"""`policy.dtensor_cfg`: the settings only the DTensor/FSDP2 engine reads.
+
+Owns the typed schema of the engine's own config section and its cross-field checks. The shared
+`policy.*` keys (optimizer, scheduler, batching, packing) live in `rl_core.config.PolicyConfig`.
+Validate with `DTensorConfig.from_policy(policy)`: unknown keys are errors naming the closest key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from rl_core.config import ConfigError, PolicyConfig, parse_config
+
+Precision = Literal["float32", "bfloat16"]
+AttnImplementation = Literal["auto", "sdpa", "eager", "flash_attention_2"]
+
+
+@dataclass(kw_only=True)
+class DTensorConfig:
+    """`policy.dtensor_cfg.*` (the `enabled` switch is read by rl-core, not here)."""
+
+    tensor_parallel_size: int = 1
+    sequence_parallel: bool = False  # shard norms/residuals over the sequence inside the TP group
+    activation_checkpointing: bool = False  # recompute every decoder layer in backward
+    cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: sharded params, grads and optimizer state on host
+    precision: Precision | None = None  # None: use policy.precision
+    compile: bool = False  # torch.compile each decoder layer
+    # "auto": flash_attention_2 on CUDA when flash-attn imports (varlen packing), else sdpa.
+    attn_implementation: AttnImplementation = "auto"
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(
+                f"policy.dtensor_cfg.tensor_parallel_size must be >= 1; got {self.tensor_parallel_size}"
+            )
+        if self.sequence_parallel and self.tensor_parallel_size == 1:
+            raise ConfigError(
+                "policy.dtensor_cfg.sequence_parallel=true needs tensor_parallel_size > 1; "
+                "set tensor_parallel_size or turn sequence_parallel off"
+            )
+
+    @classmethod
+    def from_policy(cls, policy: PolicyConfig) -> DTensorConfig:
+        """Validate `policy.dtensor_cfg` and resolve `precision` against `policy.precision`."""
+        cfg = parse_config(cls, policy.engine_options, "policy.dtensor_cfg")
+        precision = cfg.precision or policy.precision
+        if precision not in ("float32", "bfloat16"):
+            raise ConfigError(
+                f"policy.precision={precision!r} is not supported by the DTensor engine (fp16 would need "
+                "loss scaling); use 'bfloat16' or 'float32'"
+            )
+        return replace(cfg, precision=precision)

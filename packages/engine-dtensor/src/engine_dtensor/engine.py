@@ -1,0 +1,234 @@
+"""`DTensorEngine`: rl-core's TrainingEngine for Hugging Face causal LMs on FSDP2 + DTensor TP.
+
+Owns the engine's life cycle: process group and mesh, model loading, micro-batch planning with
+seqpack (every DP rank runs the same number of micro-batches, which FSDP's collectives need), the
+global loss normalisers, the optimizer step, checkpoints, export and offload. How the model is
+sharded lives in parallelize.py, the forward pass and logprob alignment in forward.py, vocab-parallel
+math in vocab_parallel.py, DCP and HF export in checkpoint.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+import os
+from collections.abc import Iterator
+from contextlib import nullcontext
+from pathlib import Path
+
+import seqpack
+import torch
+import torch.distributed as dist
+from rl_core.batch import LossFn, LossInputs, StepResult, TokenBatch
+from rl_core.config import PolicyConfig
+from rl_core.metrics import all_reduce_metrics, combine_metrics
+from rl_core.registry import register_engine
+from torch import Tensor
+
+from engine_dtensor import checkpoint
+from engine_dtensor.config import DTensorConfig
+from engine_dtensor.forward import build_packed_inputs, build_padded_inputs, forward_logprobs
+from engine_dtensor.optim import build_optimizer, build_scheduler, clip_grads_
+from engine_dtensor.parallel_dims import ParallelDims
+from engine_dtensor.parallelize import parallelize
+
+logger = logging.getLogger(__name__)
+
+
+def init_distributed() -> torch.device:
+    """Use the default process group if there is one, else start a 1-rank group; pick the device."""
+    if not dist.is_initialized():
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        logger.info("no process group: started a 1-rank %s group", backend)
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count()))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def resolve_attn_implementation(requested: str, device: torch.device) -> str:
+    """flash_attention_2 (varlen packing) where CUDA and flash-attn exist, else sdpa (block-diag mask)."""
+    has_flash = importlib.util.find_spec("flash_attn") is not None
+    if requested == "flash_attention_2" and not (has_flash and device.type == "cuda"):
+        raise ValueError(
+            "policy.dtensor_cfg.attn_implementation='flash_attention_2' needs CUDA and flash-attn "
+            "(pip install 'engine-dtensor[gpu]'); or set it to 'auto' or 'sdpa'"
+        )
+    if requested != "auto":
+        return requested
+    if device.type == "cuda" and has_flash:
+        return "flash_attention_2"
+    logger.info("attention: sdpa (packed sequences use a block-diagonal mask, not flash-attn varlen)")
+    return "sdpa"
+
+
+def load_hf_model(path: str, attn_impl: str) -> torch.nn.Module:
+    """The HF causal LM at local dir `path`, fp32 master weights (compute dtype is FSDP's job)."""
+    from transformers import AutoModelForCausalLM
+
+    if not (Path(path) / "config.json").exists():
+        raise ValueError(f"policy.model_name={path!r} is not a local Hugging Face checkpoint (no config.json)")
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_impl)
+
+
+@register_engine("dtensor")
+class DTensorEngine:
+    """FSDP2 (+ DTensor TP) training engine; `batch` arguments are this DP rank's shard."""
+
+    def __init__(self, policy: PolicyConfig) -> None:
+        self.policy = policy
+        self.cfg = DTensorConfig.from_policy(policy)
+        self.device = init_distributed()
+        self.parallel_dims = ParallelDims.from_world(dist.get_world_size(), self.cfg.tensor_parallel_size)
+        self.parallel_dims.build_mesh(self.device.type)
+        dp_mesh = self.parallel_dims.get_mesh("dp")
+        self.dp_group = dp_mesh.get_group()
+        self.dp_rank, self.dp_size = dp_mesh.get_local_rank(), self.parallel_dims.dp
+        # sequence parallel splits the sequence dim over TP ranks: lengths must divide evenly
+        self.seq_multiple = self.parallel_dims.tp if self.cfg.sequence_parallel else 1
+        self.attn_impl = resolve_attn_implementation(self.cfg.attn_implementation, self.device)
+        self.model = load_hf_model(policy.model_name, self.attn_impl)
+        if not self.cfg.cpu_offload:
+            self.model.to(self.device)
+        parallelize(self.model, self.parallel_dims, self.cfg)
+        self.optimizer = build_optimizer(self.model.parameters(), policy.optimizer)
+        self.scheduler = build_scheduler(self.optimizer, policy.scheduler)
+
+    # ---- micro-batching -------------------------------------------------------------------------
+
+    def _all_reduce(self, values: list[float], op: dist.ReduceOp = dist.ReduceOp.SUM) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=op, group=self.dp_group)
+        return t.tolist()
+
+    def _plan(self, lengths: list[int], *, train: bool) -> seqpack.MicroBatchPlan:
+        """Micro-batches by count or token budget; padded with empty ones to the max over DP ranks."""
+        packing, dynamic = self.policy.sequence_packing, self.policy.dynamic_batching
+        if packing.enabled:
+            budget = dict(max_tokens=packing.train_mb_tokens if train else packing.logprob_mb_tokens,
+                          packing=True, algorithm=packing.algorithm, round_to=self.seq_multiple)
+        elif dynamic.enabled:
+            budget = dict(max_tokens=dynamic.train_mb_tokens if train else dynamic.logprob_mb_tokens,
+                          round_to=max(dynamic.sequence_length_round, self.seq_multiple))
+        else:
+            budget = dict(max_seqs=self.policy.train_micro_batch_size if train else self.policy.logprob_batch_size)
+        plan = seqpack.plan_micro_batches(lengths, **budget)
+        most = int(self._all_reduce([len(plan.micro_batches)], dist.ReduceOp.MAX)[0])
+        if most > len(plan.micro_batches):
+            plan = seqpack.plan_micro_batches(lengths, **budget, min_micro_batches=most)
+        return plan
+
+    def _sequence_logprobs(self, seqs: list[Tensor], *, with_entropy: bool) -> tuple[list[Tensor], list[Tensor] | None]:
+        build = build_packed_inputs if self.policy.sequence_packing.enabled else build_padded_inputs
+        inputs = build(seqs, attn_impl=self.attn_impl, seq_multiple=self.seq_multiple, device=self.device)
+        logprobs, entropy = forward_logprobs(
+            self.model, inputs, temperature=self.policy.temperature, with_entropy=with_entropy
+        )
+        return inputs.unpack(logprobs), None if entropy is None else inputs.unpack(entropy)
+
+    def _dummy_micro_batch(self, *, backward: bool) -> None:
+        """A zero-weight forward (and backward) so this rank joins the FSDP collectives of the others."""
+        seq = torch.zeros(max(2, self.seq_multiple), dtype=torch.long)
+        logprobs, _ = self._sequence_logprobs([seq], with_entropy=False)
+        if backward:
+            (logprobs[0].sum() * 0.0).backward()
+
+    # ---- TrainingEngine -------------------------------------------------------------------------
+
+    def forward_backward(self, batch: TokenBatch, loss_fn: LossFn, *, forward_only: bool = False) -> StepResult:
+        """Sum of micro-batch losses with global-batch normalisers; grads accumulate unless forward_only."""
+        num_tokens, num_seqs = self._all_reduce([batch.num_valid_tokens(), batch.num_valid_seqs()])
+        plan = self._plan(batch.lengths, train=True)
+        self.model.train(not forward_only)
+        local_loss, parts = 0.0, []
+        with torch.no_grad() if forward_only else nullcontext():
+            for indices in plan.micro_batches:
+                if not indices:
+                    self._dummy_micro_batch(backward=not forward_only)
+                    continue
+                micro = batch.select(indices)
+                logprobs, entropy = self._sequence_logprobs(micro.input_ids, with_entropy=True)
+                inputs = LossInputs.from_sequences(
+                    micro, logprobs, num_valid_tokens=num_tokens, num_valid_seqs=num_seqs, entropy=entropy
+                )
+                loss, metrics = loss_fn(inputs)
+                if not forward_only:
+                    loss.backward()
+                local_loss += float(loss.detach())
+                parts.append(metrics)
+        metrics = all_reduce_metrics(combine_metrics(parts), group=self.dp_group)
+        (loss_sum,) = self._all_reduce([local_loss])
+        return StepResult(loss=loss_sum, metrics=metrics, num_micro_batches=len(plan.micro_batches))
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TokenBatch) -> list[Tensor]:
+        """Per-sequence (L_i,) float32 CPU logprobs in the batch's order (policy.temperature applied)."""
+        plan = self._plan(batch.lengths, train=False)
+        self.model.eval()
+        outputs: list[list[Tensor]] = []
+        for indices in plan.micro_batches:
+            if not indices:
+                self._dummy_micro_batch(backward=False)
+                outputs.append([])
+                continue
+            logprobs, _ = self._sequence_logprobs([batch.input_ids[i] for i in indices], with_entropy=False)
+            outputs.append([lp.float().cpu() for lp in logprobs])
+        return plan.restore(outputs)
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Clip by the global grad norm, step (or skip if not finite), advance the LR schedule."""
+        grad_norm = clip_grads_(list(self.model.parameters()), self.policy.max_grad_norm)
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        skipped = not math.isfinite(grad_norm)
+        if skipped:  # the schedule does not advance either: the step did not happen
+            logger.warning("grad norm is %s: optimizer step skipped", grad_norm)
+        else:
+            self.optimizer.step()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": grad_norm, "lr": lr, "skipped": float(skipped)}
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def train_batch(self, batch: TokenBatch, loss_fn: LossFn) -> dict[str, float]:
+        self.zero_grad()
+        result = self.forward_backward(batch, loss_fn)
+        step = self.optimizer_step()
+        return {**result.metrics, "loss": result.loss, **step, "num_micro_batches": float(result.num_micro_batches)}
+
+    def export_hf_weights(self) -> Iterator[tuple[str, Tensor]]:
+        return checkpoint.export_hf_weights(self.model)
+
+    def save_hf(self, path: str) -> None:
+        """A Hugging Face checkpoint (safetensors + config + tokenizer files) at `path`."""
+        checkpoint.save_hf(path, self.model, self.policy.model_name)
+
+    def save_checkpoint(self, path: str) -> None:
+        checkpoint.save_checkpoint(path, self.model, self.optimizer, self.scheduler)
+
+    def load_checkpoint(self, path: str) -> None:
+        checkpoint.load_checkpoint(path, self.model, self.optimizer, self.scheduler)
+
+    def offload(self) -> None:
+        self._move_to(torch.device("cpu"))
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        self._move_to(self.device)
+
+    def _move_to(self, device: torch.device) -> None:
+        """Parameters (FSDP2 re-registers its shards) and optimizer state to `device`."""
+        if self.cfg.cpu_offload:
+            return  # FSDP's CPUOffloadPolicy already keeps them on the host
+        self.model.to(device)
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, Tensor) and key != "step":
+                    state[key] = value.to(device, non_blocking=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)

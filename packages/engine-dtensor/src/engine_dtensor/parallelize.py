@@ -1,0 +1,195 @@
+"""How a Hugging Face causal LM is parallelised: TP plans, activation checkpointing, compile, FSDP2.
+
+Each `apply_*` takes `(model, mesh, cfg)`, mutates the model in place and returns None; `parallelize`
+calls them in a fixed order. The HF model code is never edited: TP is expressed as DTensor
+`parallelize_module` plans keyed by module path. Does not own process groups or the mesh layout
+(parallel_dims.py) nor the forward pass (forward.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from engine_dtensor.config import DTensorConfig
+from engine_dtensor.parallel_dims import ParallelDims
+
+logger = logging.getLogger(__name__)
+
+# Dense decoder families whose HF module layout the TP plan below matches (qk-norm handled for qwen3).
+TP_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+# Wrapper prefixes that apply_ac / apply_compile add to parameter names; HF names have neither.
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def hf_name(name: str) -> str:
+    """A parameter name of the parallelised model as Hugging Face spells it."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The ModuleList of decoder layers of an HF `*ForCausalLM` (model.model.layers)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(
+            f"{type(model).__name__} has no `model.layers` ModuleList; the DTensor engine supports HF "
+            "decoder-only *ForCausalLM models (Llama, Qwen2/3, Mistral, Mixtral, Qwen3-MoE)"
+        )
+    return layers
+
+
+class HeadShardedNorm(ParallelStyle):
+    """A norm over head_dim applied to TP-local attention heads (Qwen3 q_norm / k_norm).
+
+    Its weight becomes a Replicate DTensor and its input a DTensor sharded on the heads dim, so the
+    weight gradient comes out Partial and is summed over the TP group (each rank sees only its heads).
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def replicate_params(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for pname, param in list(mod.named_parameters(recurse=False)):
+                dist_param = nn.Parameter(distribute_tensor(param, mesh, [Replicate()]))
+                mod.register_parameter(pname, dist_param)
+
+        def to_dtensor(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            # (B, S, heads_local, head_dim): heads are dim 2
+            return (DTensor.from_local(inputs[0], mesh, [Shard(2)], run_check=False), *inputs[1:])
+
+        def to_local(mod: nn.Module, output: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+            return output.to_local()
+
+        return distribute_module(module, device_mesh, replicate_params, to_dtensor, to_local)
+
+
+def _layer_plan(layer: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """Megatron-style column/row split of attention and MLP; with SP, norms work on sequence shards."""
+    residual = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, ParallelStyle] = {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(output_layouts=residual),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=residual),
+    }
+    if hasattr(layer.self_attn, "q_norm"):
+        plan["self_attn.q_norm"] = HeadShardedNorm()
+        plan["self_attn.k_norm"] = HeadShardedNorm()
+    if sequence_parallel:
+        plan.update({
+            "input_layernorm": SequenceParallel(use_local_output=True),
+            "post_attention_layernorm": SequenceParallel(use_local_output=True),
+            # attention and MLP need the whole sequence: all-gather it on the way in
+            "self_attn": PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": Shard(1)},
+                desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            ),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        })
+    return plan
+
+
+def _check_tp_supported(model: nn.Module, tp: int) -> None:
+    config = model.config
+    if config.model_type not in TP_MODEL_TYPES:
+        raise ValueError(
+            f"policy.dtensor_cfg.tensor_parallel_size={tp} is not supported for model_type "
+            f"'{config.model_type}' (TP plans exist for {list(TP_MODEL_TYPES)}); use tensor_parallel_size=1 "
+            "(FSDP only)"
+        )
+    if getattr(config, "tie_word_embeddings", False):
+        raise ValueError(
+            "tensor parallelism with tied input/output embeddings is not supported; use "
+            "policy.dtensor_cfg.tensor_parallel_size=1"
+        )
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        if getattr(config, key) % tp:
+            raise ValueError(
+                f"{key}={getattr(config, key)} is not divisible by policy.dtensor_cfg.tensor_parallel_size={tp}"
+            )
+
+
+def apply_tp(model: nn.Module, mesh: DeviceMesh, cfg: DTensorConfig) -> None:
+    """Shard attention heads, MLP columns and the vocabulary (embedding, lm_head) over `mesh` (tp)."""
+    _check_tp_supported(model, mesh.size())
+    sp = cfg.sequence_parallel
+    top_plan: dict[str, ParallelStyle] = {
+        # vocab-sharded embedding; with SP its output is reduce-scattered over the sequence
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate()),
+        # logits stay vocab-sharded (a DTensor): logprobs are computed vocab-parallel, never gathered
+        "lm_head": ColwiseParallel(
+            input_layouts=Shard(1) if sp else Replicate(), output_layouts=Shard(-1), use_local_output=False
+        ),
+    }
+    if sp:
+        top_plan["model.norm"] = SequenceParallel(use_local_output=True)
+    parallelize_module(model, mesh, top_plan)
+    for layer in decoder_layers(model):
+        parallelize_module(layer, mesh, _layer_plan(layer, sp))
+
+
+def apply_ac(model: nn.Module, mesh: DeviceMesh | None, cfg: DTensorConfig) -> None:
+    """Recompute each decoder layer in backward (full-layer checkpointing). `mesh` is unused."""
+    layers = decoder_layers(model)
+    for i, layer in enumerate(layers):
+        # non-reentrant: works with FSDP2 hooks and keyword arguments (HF layers take kwargs)
+        layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
+
+
+def apply_compile(model: nn.Module, mesh: DeviceMesh | None, cfg: DTensorConfig) -> None:
+    """torch.compile each decoder layer in place (names unchanged). `mesh` is unused."""
+    for layer in decoder_layers(model):
+        layer.compile()
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: DTensorConfig) -> None:
+    """FSDP2 over `mesh` (dp): one unit per decoder layer plus the root (embeddings, norm, lm_head)."""
+    param_dtype = torch.bfloat16 if cfg.precision == "bfloat16" else torch.float32
+    # params are kept in fp32 (the optimizer's master copy); compute in param_dtype, reduce in fp32
+    kwargs = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)}
+    if cfg.cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    # Losses are already divided by global-batch normalisers: DP gradients must be summed, not averaged.
+    # Plain SUM collectives: the default pre-multiplied sum (PREMUL_SUM) does not exist in gloo.
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def parallelize(model: nn.Module, parallel_dims: ParallelDims, cfg: DTensorConfig) -> None:
+    """Apply TP, AC, compile and FSDP in this order (each needs the previous one's module structure)."""
+    # 1. TP first: FSDP then shards the TP-local DTensors along dp (2-D params).
+    if parallel_dims.tp_enabled:
+        apply_tp(model, parallel_dims.get_mesh("tp"), cfg)
+    # 2. AC wraps whole decoder layers, so FSDP's per-layer hooks sit outside the recomputed region.
+    if cfg.activation_checkpointing:
+        apply_ac(model, None, cfg)
+    # 3. Compile after AC wrapping, before FSDP (FSDP's hooks stay outside the compiled graphs).
+    if cfg.compile:
+        apply_compile(model, None, cfg)
+    # 4. FSDP always, even on one rank: it is what applies mixed precision and CPU offload.
+    apply_fsdp(model, parallel_dims.get_mesh("dp"), cfg)
+    logger.info("parallelized %s: dp=%d tp=%d sp=%s ac=%s compile=%s precision=%s",
+                type(model).__name__, parallel_dims.dp, parallel_dims.tp, cfg.sequence_parallel,
+                cfg.activation_checkpointing, cfg.compile, cfg.precision)
