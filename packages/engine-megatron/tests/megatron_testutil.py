@@ -100,3 +100,46 @@ def hf_target_logprobs(ckpt: str, batch: TokenBatch, temperature: float = 1.0) -
             lp = torch.log_softmax(logits[:-1], -1).gather(-1, ids[1:, None])[:, 0]
             out.append(torch.cat([torch.zeros(1, dtype=torch.float64), lp]).float())
     return out
+
+
+def weight_diffs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """(||a - b|| / ||b|| over all tensors together, max |a - b|), float64.
+
+    Why not per tensor: a bias whose gradient is analytically zero (the k_proj bias: softmax ignores a
+    shift shared by all keys) gets an Adam update made of float noise, ~lr in size with a random sign, in
+    every engine and layout. Over the whole model that is ~1e-6 relative; per such tensor it is ~1e-4.
+    """
+    assert sorted(a) == sorted(b), f"different names: {sorted(set(a) ^ set(b))[:5]}"
+    num = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in a)
+    den = sum(float(b[k].double().pow(2).sum()) for k in a)
+    return (num / den) ** 0.5, max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+_REFERENCES: dict[tuple, list[dict[str, Any]]] = {}
+
+
+def reference_run(ckpt: str, policy_kw: dict[str, Any] | None = None, steps: int = 1) -> list[dict[str, Any]]:
+    """The 1-rank (TP=PP=DP=EP=1, padded) run of `ckpt`, computed once per session."""
+    from rl_core.testing.distributed import run_distributed
+
+    key = (ckpt, repr(sorted((policy_kw or {}).items())), steps)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = run_distributed(engine_run, world_size=1, args=(ckpt, {}, policy_kw or {}, steps))
+    return _REFERENCES[key]
+
+
+def assert_same_run(run: list[dict[str, Any]], ref: list[dict[str, Any]], *, logprob_tol: float = 5e-6,
+                    weight_rel_tol: float = 1e-5, weight_abs_tol: float = 1e-4) -> dict[str, float]:
+    """Logprobs before/after one step, loss, grad norm and exported weights of two runs agree."""
+    before = max_abs_diff(by_index(run, "before"), by_index(ref, "before"))
+    after = max_abs_diff(by_index(run, "after"), by_index(ref, "after"))
+    m, m_ref = run[0]["metrics"][-1], ref[0]["metrics"][-1]
+    loss = abs(m["loss"] - m_ref["loss"])
+    grad_norm = abs(m["grad_norm"] - m_ref["grad_norm"]) / m_ref["grad_norm"]
+    rel, absolute = weight_diffs(run[0]["weights"], ref[0]["weights"])
+    diffs = {"logprobs_before": before, "logprobs_after": after, "loss": loss, "grad_norm_rel": grad_norm,
+             "weights_rel": rel, "weights_abs": absolute}
+    assert before <= logprob_tol and loss <= 1e-6 and grad_norm <= 1e-6, diffs
+    assert rel <= weight_rel_tol and absolute <= weight_abs_tol and after <= 10 * logprob_tol, diffs
+    assert m["num_micro_batches"] >= 1 and m_ref["lr"] == m["lr"], (m, m_ref)
+    return diffs

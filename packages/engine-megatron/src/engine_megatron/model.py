@@ -13,7 +13,6 @@ import hashlib
 import logging
 import os
 import re
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -48,6 +47,9 @@ def build_ddp_model(model_cfg: Any, ddp_overrides: dict[str, Any], ranks: Parall
     return model
 
 
+_CONVERT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp32"}
+
+
 def conversion_cache_dir(hf_dir: str, cache_root: str | None, tp: int, pp: int, ep: int, dtype: str) -> Path:
     """Where the converted checkpoint of `hf_dir` lives: keyed by path, newest mtime, dtype and layout."""
     src = Path(hf_dir).resolve()
@@ -58,19 +60,13 @@ def conversion_cache_dir(hf_dir: str, cache_root: str | None, tp: int, pp: int, 
 
 
 def convert_once(hf_dir: str, cache_root: str | None, tp: int, pp: int, ep: int, dtype: str) -> Path:
-    """Convert on global rank 0 (atomically, skipped when cached), then every rank waits for it."""
-    from ckpt_convert import convert_hf_to_mcore
+    """Convert on global rank 0 unless cached (ckpt-convert writes atomically), then every rank waits."""
+    from ckpt_convert.convert import convert_hf_to_mcore
 
     target = conversion_cache_dir(hf_dir, cache_root, tp, pp, ep, dtype)
-    if dist.get_rank() == 0 and not (target / ".done").exists():
-        logger.info("converting %s to megatron format at %s", hf_dir, target)
-        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        convert_hf_to_mcore(hf_dir, str(tmp), tp=tp, pp=pp, ep=ep, dtype=getattr(torch, dtype))
-        (tmp / ".done").write_text("ok")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(target, ignore_errors=True)
-        os.replace(tmp, target)
+    if dist.get_rank() == 0 and not target.exists():
+        logger.info("converting %s to megatron format at %s (cached for later runs)", hf_dir, target)
+        convert_hf_to_mcore(hf_dir, target, tp=tp, pp=pp, ep=ep, dtype=_CONVERT_DTYPES[dtype])
     dist.barrier()
     return target
 
@@ -79,11 +75,8 @@ def load_converted(model: Any, ckpt_dir: Path) -> None:
     """dist_checkpointing.load of a converted checkpoint into this rank's shard (any TP/PP/EP)."""
     from megatron.core import dist_checkpointing
 
-    from engine_megatron.compat import device_context
-
     module = model.module
-    with device_context():
-        state = dist_checkpointing.load(module.sharded_state_dict(), str(ckpt_dir))
+    state = dist_checkpointing.load(module.sharded_state_dict(), str(ckpt_dir))
     missing, unexpected = module.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
