@@ -148,8 +148,12 @@ def _attention_bias(hf: Any, arch: str) -> bool:
 
 def mcore_model_config(hf_config: Any, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1, cp: int = 1,
                        sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
-                       overrides: dict | None = None) -> MCoreModelConfig:
-    """Map an HF config to the megatron TransformerConfig and GPTModel arguments of the same model."""
+                       overrides: dict | None = None, vocab_size: int | None = None) -> MCoreModelConfig:
+    """Map an HF config to the megatron TransformerConfig and GPTModel arguments of the same model.
+
+    `vocab_size` fixes the padded vocabulary (e.g. the one recorded in a converted checkpoint, so a model
+    converted at one TP loads at another); by default it is hf vocab rounded up to a multiple of 128 * tp.
+    """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     arch = hf_architecture(hf_config)
@@ -181,9 +185,14 @@ def mcore_model_config(hf_config: Any, *, tp: int = 1, pp: int = 1, ep: int = 1,
         fields["window_size"] = (int(window) - 1, 0)
     fields.update(overrides)
     pad_to = VOCAB_DIVISIBLE_BY * tp
+    if vocab_size is None:
+        vocab_size = -(-hf.vocab_size // pad_to) * pad_to
+    elif vocab_size < hf.vocab_size or vocab_size % tp:
+        raise ValueError(f"vocab_size={vocab_size} must be >= the HF vocab_size={hf.vocab_size} and divisible "
+                         f"by tp={tp}; leave it unset to pad to a multiple of {pad_to}")
     return MCoreModelConfig(
         transformer_config=TransformerConfig(**fields),
-        vocab_size=-(-hf.vocab_size // pad_to) * pad_to, hf_vocab_size=hf.vocab_size,
+        vocab_size=vocab_size, hf_vocab_size=hf.vocab_size,
         max_sequence_length=hf.max_position_embeddings,
         share_embeddings_and_output_weights=bool(getattr(hf, "tie_word_embeddings", False)),
         position_embedding_type="rope", arch=arch, **_rope_fields(hf))

@@ -1,0 +1,214 @@
+"""`convert_hf_to_mcore` and `convert_mcore_to_hf`: streaming, atomic checkpoint conversion.
+
+Both directions walk the model one mcore tensor at a time in layer order (mapping.py decides names and
+layouts, dist_format.py the megatron files, hf_io.py the safetensors files). Inputs are validated from
+headers before anything is written; output goes to a temporary sibling directory renamed into place at
+the end, so a failed run leaves nothing behind. The model config is saved beside the megatron checkpoint
+as `ckpt_convert.json` (incl. the full HF config), which is what mcore2hf and the megatron engine read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from ckpt_convert.dist_format import (
+    CheckpointReader,
+    Chunk,
+    checkpoint_key,
+    extra_state_chunk,
+    write_checkpoint,
+)
+from ckpt_convert.hf_io import HFShardWriter, HFSource
+from ckpt_convert.mapping import hf_names_for, hf_to_mcore_tensor, mcore_names, mcore_to_hf_tensors
+from ckpt_convert.mcore_model import MCoreModelConfig, hf_architecture, load_hf_config, mcore_model_config
+
+logger = logging.getLogger(__name__)
+
+CONFIG_NAME = "ckpt_convert.json"
+HF_FILES_DIR = "hf_files"  # tokenizer, generation config...: copied through both directions
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# local-spec MoE layers store the pre-MLP norm under this key, TE-spec ones under pre_mlp_layernorm.weight
+_MOE_NORM_ALIAS = ("decoder.layers.pre_mlp_layernorm.weight", "decoder.layers.mlp.linear_fc1.layer_norm_weight")
+
+
+@dataclass
+class ConversionSummary:
+    tensors: int
+    parameters: int
+    seconds: float
+    output_bytes: int
+    path: Path
+
+    def __str__(self) -> str:
+        return (f"wrote {self.path}: {self.tensors} tensors, {self.parameters:,} parameters, "
+                f"{self.output_bytes / 2**20:.1f} MiB in {self.seconds:.1f} s")
+
+
+@contextlib.contextmanager
+def _atomic_dir(out_dir: Path) -> Iterator[Path]:
+    """A temporary sibling of `out_dir`, renamed to it on success and removed on failure."""
+    if out_dir.exists():
+        raise ValueError(f"output directory {out_dir} already exists; remove it or choose another --out")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        yield tmp
+        os.rename(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def save_model_config(ckpt_dir: str | os.PathLike, hf_config: Any, cfg: MCoreModelConfig, *, tp: int = 1,
+                      pp: int = 1, ep: int = 1, dtype: str = "fp32") -> Path:
+    """Write `ckpt_convert.json` (HF config + layout) beside a megatron checkpoint; mcore2hf needs it."""
+    path = Path(ckpt_dir) / CONFIG_NAME
+    path.write_text(json.dumps({
+        "format": "ckpt-convert/1", "arch": cfg.arch, "hf_config": hf_config.to_dict(),
+        "vocab_size": cfg.vocab_size, "hf_vocab_size": cfg.hf_vocab_size, "dtype": dtype,
+        "tp": tp, "pp": pp, "ep": ep}, indent=2, default=str))
+    return path
+
+
+def load_model_config(ckpt_dir: str | os.PathLike, **kwargs: Any) -> tuple[Any, MCoreModelConfig]:
+    """(HF config, MCoreModelConfig) of a converted checkpoint; kwargs go to `mcore_model_config` (tp...)."""
+    from transformers import AutoConfig
+
+    path = Path(ckpt_dir) / CONFIG_NAME
+    if not path.is_file():
+        raise ValueError(f"{path} not found: --mcore must be a checkpoint written by `ckpt-convert hf2mcore` "
+                         f"(or one saved with ckpt_convert.convert.save_model_config beside it)")
+    saved = json.loads(path.read_text())
+    hf_dict = dict(saved["hf_config"])
+    hf_architecture(hf_dict)
+    hf_config = AutoConfig.for_model(hf_dict.pop("model_type"), **hf_dict)
+    kwargs.setdefault("vocab_size", saved["vocab_size"])
+    return hf_config, mcore_model_config(hf_config, **kwargs)
+
+
+def _plan_chunks(cfg: MCoreModelConfig, source: HFSource, dtype: torch.dtype) -> tuple[list[Chunk], dict]:
+    """Every chunk of the output (validated on meta tensors, so shape errors come before any write)."""
+    tc = cfg.transformer_config
+    chunks, name_of = [], {}
+    needed = set()
+    for name in mcore_names(cfg):
+        sources = hf_names_for(cfg, name)
+        needed.update(sources)
+        shape = tuple(hf_to_mcore_tensor(cfg, name, {h: source.meta(h) for h in sources if h in source.shapes}).shape)
+        key, prefix, prefix_shape = checkpoint_key(name, tc.num_layers, tc.num_moe_experts)
+        group = prefix[0] + 1 if prefix else (0 if name.startswith("embedding") else tc.num_layers + 1)
+        keys = _MOE_NORM_ALIAS if key == _MOE_NORM_ALIAS[0] else (key,)
+        for k in keys:
+            chunk = Chunk(k, prefix_shape + shape, prefix + (0,) * len(shape), (1,) * len(prefix) + shape,
+                          dtype, group)
+            chunks.append(chunk)
+            name_of[chunk] = name
+        extra = extra_state_chunk(key, prefix, prefix_shape, group)
+        if extra is not None:
+            chunks.append(extra)
+    unknown = sorted(set(source.shapes) - needed - ({"lm_head.weight"} if cfg.share_embeddings_and_output_weights
+                                                    else set()))
+    if unknown:
+        raise ValueError(f"HF tensor(s) {unknown[:5]} are not part of a {cfg.arch} model as described by "
+                         "config.json (check num_hidden_layers / num_experts / tie_word_embeddings)")
+    return chunks, name_of
+
+
+def convert_hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tp: int = 1, pp: int = 1,
+                        ep: int = 1, dtype: str = "fp32") -> Path:
+    """Convert an HF checkpoint to a megatron-core torch_dist checkpoint (+ ckpt_convert.json)."""
+    start = time.perf_counter()
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; choose one of {sorted(DTYPES)}")
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    hf_config = load_hf_config(hf_dir)
+    cfg = mcore_model_config(hf_config, tp=tp, pp=pp, ep=ep, params_dtype=DTYPES[dtype])
+    source = HFSource(hf_dir)
+    chunks, name_of = _plan_chunks(cfg, source, DTYPES[dtype])
+    progress = tqdm(total=len(chunks), desc="hf2mcore", unit="tensor", disable=None)
+    num_params = sum(source.meta(h).numel() for n in mcore_names(cfg) for h in hf_names_for(cfg, n))
+
+    def resolve(chunk: Chunk) -> torch.Tensor | io.BytesIO:
+        progress.update(1)
+        if chunk.dtype is None:  # a local linear layer's _extra_state: None, which megatron saves as [None]
+            buf = io.BytesIO()
+            torch.save([None], buf)
+            buf.seek(0)
+            return buf
+        name = name_of[chunk]
+        tensor = hf_to_mcore_tensor(cfg, name, {h: source.get(h) for h in hf_names_for(cfg, name)})
+        return tensor.to(chunk.dtype).reshape(chunk.sizes)
+
+    try:
+        with _atomic_dir(out_dir) as tmp:
+            write_checkpoint(tmp, chunks, resolve)
+            save_model_config(tmp, hf_config, cfg, tp=tp, pp=pp, ep=ep, dtype=dtype)
+            _copy_hf_files(hf_dir, tmp / HF_FILES_DIR)
+            output_bytes = _dir_bytes(tmp)
+    finally:
+        progress.close()
+        source.close()
+    summary = ConversionSummary(len(mcore_names(cfg)), num_params, time.perf_counter() - start, output_bytes,
+                                out_dir)
+    logger.info("hf2mcore %s", summary)
+    return out_dir
+
+
+def _copy_hf_files(src: Path, dst: Path) -> None:
+    """Copy the non-weight files of an HF checkpoint (tokenizer, generation config, chat template)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for file in src.iterdir():
+        if file.is_file() and file.suffix != ".safetensors" and not file.name.endswith(".index.json"):
+            shutil.copy2(file, dst / file.name)
+
+
+def convert_mcore_to_hf(mcore_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
+                        max_shard_bytes: int = 2 * 2**30) -> Path:
+    """Convert a megatron torch_dist checkpoint (ours, or megatron-saved at any TP/PP/EP) back to HF."""
+    start = time.perf_counter()
+    mcore_dir, out_dir = Path(mcore_dir), Path(out_dir)
+    reader = CheckpointReader(mcore_dir)
+    hf_config, cfg = load_model_config(
+        mcore_dir, vocab_size=reader.global_shape("embedding.word_embeddings.weight")[0])
+    tc = cfg.transformer_config
+    names = mcore_names(cfg)
+    dtypes = set()
+    with _atomic_dir(out_dir) as tmp:
+        writer = HFShardWriter(tmp, max_shard_bytes)
+        for name in tqdm(names, desc="mcore2hf", unit="tensor", disable=None):
+            key, prefix, _ = checkpoint_key(name, tc.num_layers, tc.num_moe_experts)
+            if key == _MOE_NORM_ALIAS[0] and not reader.has(key):
+                key = _MOE_NORM_ALIAS[1]
+            full = reader.read(key, prefix)
+            dtypes.add(full.dtype)
+            for hf_name, tensor in mcore_to_hf_tensors(cfg, hf_config, name, full):
+                writer.add(hf_name, tensor)
+        writer.finish()
+        hf_config.dtype = str(next(iter(dtypes))).removeprefix("torch.") if len(dtypes) == 1 else "float32"
+        hf_config.save_pretrained(tmp)
+        extra = mcore_dir / HF_FILES_DIR
+        if extra.is_dir():
+            for file in extra.iterdir():
+                if file.name != "config.json":
+                    shutil.copy2(file, tmp / file.name)
+        output_bytes = _dir_bytes(tmp)
+    summary = ConversionSummary(len(names), writer.num_params, time.perf_counter() - start, output_bytes, out_dir)
+    logger.info("mcore2hf %s", summary)
+    return out_dir
