@@ -67,7 +67,7 @@ def test_boxed_extraction_takes_the_last_balanced_box():
 
 def test_repeat_char_reward_gives_partial_credit():
     meta = {"target": "7"}
-    score = lambda c: repeat_char_reward(prompt="ab7:", completion=c, metadata=meta)  # noqa: E731
+    score = lambda c: repeat_char_reward(prompt="ab:7", completion=c, metadata=meta)  # noqa: E731
     assert score("7777") == pytest.approx(1.0)
     assert score("7777</s>") == pytest.approx(1.0)
     assert score("77") == pytest.approx(0.8 * 2 / 4)
@@ -75,7 +75,7 @@ def test_repeat_char_reward_gives_partial_credit():
     assert score("77777") == pytest.approx(0.8)  # right characters, did not stop
     assert score("") == 0.0
     # The target is parsed from the prompt when metadata lacks it.
-    assert repeat_char_reward(prompt="qq3:", completion="3333", metadata={}) == pytest.approx(1.0)
+    assert repeat_char_reward(prompt="qq:3", completion="3333", metadata={}) == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize("task", ["repeat_char", "copy_digits"])

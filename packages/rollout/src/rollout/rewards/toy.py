@@ -1,7 +1,9 @@
 """Built-in toy tasks a tiny randomly initialised char-level model learns with GRPO on a CPU in minutes.
 
-`repeat_char` (the trainer's default task): the prompt names one character at its end, e.g. "qk7:" names
-"7" (a few random lowercase letters come first, so prompts differ and the model must find the target).
+`repeat_char` (the trainer's default task): the prompt names one character at its end, e.g. "qk:7" names
+"7" (a few random lowercase letters come first, so prompts differ). The target is the last prompt token,
+so the first thing to learn is "repeat the previous character": a direct embedding -> logits path that a
+2-layer model picks up in a few dozen GRPO steps, then where to stop.
 The ideal completion is the character `answer_len` times, then the stop token ("7777</s>").
     reward = (1 - stop_bonus) * (# of the first answer_len chars equal to the target) / answer_len
              + stop_bonus * [the completion is exactly answer_len chars long]
@@ -58,14 +60,14 @@ def _draw(make: Any, num: int, split: str, seed: int) -> list[dict[str, Any]]:
 
 def repeat_char_prompts(num: int, *, split: str = "train", seed: int = 0, charset: str = string.digits,
                         max_noise: int = 3) -> list[dict[str, Any]]:
-    """`num` prompts {"prompt": "qk7:", "metadata": {"target": "7"}} of the given split."""
+    """`num` prompts {"prompt": "qk:7", "metadata": {"target": "7"}} of the given split."""
     if not charset:
         raise ValueError("repeat_char charset is empty; give at least one character")
 
     def make(rng: random.Random) -> dict[str, Any]:
         target = rng.choice(charset)
         noise = "".join(rng.choice(NOISE) for _ in range(rng.randint(1, max(1, max_noise))))
-        return {"prompt": f"{noise}{target}:", "metadata": {"target": target}}
+        return {"prompt": f"{noise}:{target}", "metadata": {"target": target}}
 
     return _draw(make, num, split, seed)
 
@@ -77,7 +79,7 @@ def _stop_bonus(text: str, length: int, stop_bonus: float) -> float:
 def repeat_char_reward(*, prompt: str, completion: str, metadata: dict[str, Any], answer_len: int = 4,
                        stop_bonus: float = 0.2, **_: Any) -> float:
     """Share of the first `answer_len` characters equal to the target, plus a bonus for stopping there."""
-    target = metadata.get("target") or prompt.rstrip()[-2:-1]
+    target = metadata.get("target") or prompt.rstrip()[-1:]
     if not target:
         raise ValueError(f"repeat_char: no target in metadata and none parsable from prompt {prompt!r}")
     text = strip_end_markers(completion)
