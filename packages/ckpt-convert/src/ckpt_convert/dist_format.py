@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -138,7 +139,15 @@ def write_checkpoint(out_dir: Path, chunks: list[Chunk],
                      resolve: Callable[[Chunk], torch.Tensor | io.BytesIO]) -> None:
     """Write a megatron torch_dist checkpoint into the existing, empty `out_dir`, chunk by chunk."""
     planner = _LazyPlanner(chunks, resolve)
-    dcp.save({}, storage_writer=_GroupedFileWriter(out_dir, planner), planner=planner, no_dist=True)
+    try:
+        dcp.save({}, storage_writer=_GroupedFileWriter(out_dir, planner), planner=planner, no_dist=True)
+    except CheckpointException as err:
+        # DCP wraps errors per rank as (exception, traceback); surface ours (e.g. a ValueError naming a
+        # tensor) instead of the wrapper.
+        causes = [f[0] if isinstance(f, tuple) else f for f in err.failures.values()]
+        if len(causes) == 1 and isinstance(causes[0], Exception):
+            raise causes[0] from err
+        raise
     torch.save({}, out_dir / "common.pt")  # megatron's non-sharded state: nothing for a GPTModel
     (out_dir / "metadata.json").write_text(json.dumps(MEGATRON_METADATA))
 

@@ -1,0 +1,47 @@
+"""`ckpt-convert hf2mcore|mcore2hf`: the command line over ckpt_convert.convert (the only place that prints)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+logger = logging.getLogger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ckpt-convert", description="Hugging Face <-> megatron-core checkpoints")
+    sub = parser.add_subparsers(dest="command", required=True)
+    h2m = sub.add_parser("hf2mcore", help="HF safetensors -> megatron-core torch_dist checkpoint")
+    h2m.add_argument("--hf", required=True, help="HF checkpoint directory (config.json + *.safetensors)")
+    h2m.add_argument("--out", required=True, help="output directory (must not exist)")
+    h2m.add_argument("--tp", type=int, default=1, help="tensor parallel size (vocab padding, divisibility checks)")
+    h2m.add_argument("--pp", type=int, default=1, help="pipeline parallel size (divisibility check)")
+    h2m.add_argument("--ep", type=int, default=1, help="expert parallel size (MoE; divisibility check)")
+    h2m.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="stored dtype")
+    m2h = sub.add_parser("mcore2hf", help="megatron-core checkpoint (+ ckpt_convert.json) -> HF safetensors")
+    m2h.add_argument("--mcore", required=True, help="megatron checkpoint directory")
+    m2h.add_argument("--out", required=True, help="output directory (must not exist)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("ckpt_convert").setLevel(logging.INFO)  # the conversion summary
+    from ckpt_convert.convert import convert_hf_to_mcore, convert_mcore_to_hf
+
+    try:
+        if args.command == "hf2mcore":
+            out = convert_hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep, dtype=args.dtype)
+        else:
+            out = convert_mcore_to_hf(args.mcore, args.out)
+    except ValueError as err:
+        print(f"ckpt-convert {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""Bad input gives a clear error naming the tensor/key and the fix, and writes nothing; the CLI works."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from ckpt_convert.cli import main
+from ckpt_convert.convert import convert_hf_to_mcore, convert_mcore_to_hf
+from safetensors.torch import load_file, save_file
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _rewrite_weights(path: Path, edit) -> None:
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    edit(tensors)
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def _assert_nothing_written(root: Path, keep: set) -> None:
+    assert {p.name for p in root.iterdir()} == keep
+
+
+def test_missing_tensor(tiny_ckpts: dict, tmp_path: Path) -> None:
+    hf = _copy(tiny_ckpts["qwen2"], tmp_path / "hf")
+    _rewrite_weights(hf, lambda t: t.pop("model.layers.1.self_attn.k_proj.bias"))
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.k_proj\.bias.*missing.*config\.json"):
+        convert_hf_to_mcore(hf, tmp_path / "out")
+    _assert_nothing_written(tmp_path, {"hf"})
+
+
+def test_wrong_shape(tiny_ckpts: dict, tmp_path: Path) -> None:
+    hf = _copy(tiny_ckpts["qwen3_moe"], tmp_path / "hf")
+
+    def shrink(t: dict) -> None:
+        t["model.layers.0.mlp.experts.2.up_proj.weight"] = t["model.layers.0.mlp.experts.2.up_proj.weight"][:64]
+
+    _rewrite_weights(hf, shrink)
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.experts\.2\.up_proj\.weight' has shape "
+                                         r"\(64, 128\), expected \(128, 128\)"):
+        convert_hf_to_mcore(hf, tmp_path / "out")
+    _assert_nothing_written(tmp_path, {"hf"})
+
+
+def test_unknown_tensor(tiny_ckpts: dict, tmp_path: Path) -> None:
+    hf = _copy(tiny_ckpts["llama"], tmp_path / "hf")
+    _rewrite_weights(hf, lambda t: t.update({"model.layers.2.mlp.up_proj.weight": t["model.norm.weight"].clone()}))
+    with pytest.raises(ValueError, match=r"model\.layers\.2\.mlp\.up_proj\.weight.*num_hidden_layers"):
+        convert_hf_to_mcore(hf, tmp_path / "out")
+    _assert_nothing_written(tmp_path, {"hf"})
+
+
+def test_unknown_architecture(tiny_ckpts: dict, tmp_path: Path) -> None:
+    hf = _copy(tiny_ckpts["llama"], tmp_path / "hf")
+    cfg = (hf / "config.json").read_text().replace("LlamaForCausalLM", "GPTNeoXForCausalLM")
+    (hf / "config.json").write_text(cfg)
+    with pytest.raises(ValueError, match=r"'GPTNeoXForCausalLM'.*supported: \['LlamaForCausalLM', "
+                                         r"'Qwen2ForCausalLM', 'Qwen3ForCausalLM', 'MistralForCausalLM', "
+                                         r"'MixtralForCausalLM', 'Qwen3MoeForCausalLM'\]"):
+        convert_hf_to_mcore(hf, tmp_path / "out")
+    _assert_nothing_written(tmp_path, {"hf"})
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage_header"])
+def test_corrupt_safetensors(damage: str, tiny_ckpts: dict, tmp_path: Path) -> None:
+    hf = _copy(tiny_ckpts["mistral"], tmp_path / "hf")
+    file = hf / "model.safetensors"
+    data = file.read_bytes()
+    file.write_bytes(data[:-1000] if damage == "truncate" else b"\x10\x00\x00\x00\x00\x00\x00\x00{not json" + data)
+    with pytest.raises(ValueError, match=r"model\.safetensors is not a valid safetensors file.*re-download"):
+        convert_hf_to_mcore(hf, tmp_path / "out")
+    _assert_nothing_written(tmp_path, {"hf"})
+
+
+def test_tp_not_dividing_heads(tiny_ckpts: dict, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"tp=4 does not divide num_key_value_heads=2; choose --tp from \[1, 2\]"):
+        convert_hf_to_mcore(tiny_ckpts["qwen3"], tmp_path / "out", tp=4)
+    with pytest.raises(ValueError, match=r"ep=3 does not divide the 4 experts; choose --ep from \[1, 2, 4\]"):
+        convert_hf_to_mcore(tiny_ckpts["mixtral"], tmp_path / "out", ep=3)
+    _assert_nothing_written(tmp_path, set())
+
+
+def test_existing_output_is_refused(tiny_ckpts: dict, tmp_path: Path) -> None:
+    (tmp_path / "out").mkdir()
+    with pytest.raises(ValueError, match="already exists; remove it or choose another --out"):
+        convert_hf_to_mcore(tiny_ckpts["qwen2"], tmp_path / "out")
+
+
+def test_failure_midway_leaves_nothing(tiny_ckpts: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error while writing (after validation) removes the temporary directory."""
+    from ckpt_convert import hf_io
+
+    calls = {"n": 0}
+    real_get = hf_io.HFSource.get
+
+    def flaky_get(self, name):
+        calls["n"] += 1
+        if calls["n"] > 5:
+            raise OSError("disk on fire")
+        return real_get(self, name)
+
+    monkeypatch.setattr(hf_io.HFSource, "get", flaky_get)
+    with pytest.raises(OSError, match="disk on fire"):
+        convert_hf_to_mcore(tiny_ckpts["qwen2"], tmp_path / "out")
+    _assert_nothing_written(tmp_path, set())
+
+
+def test_mcore2hf_needs_config(tmp_path: Path) -> None:
+    (tmp_path / "ck").mkdir()
+    with pytest.raises(ValueError, match="not a megatron torch_dist checkpoint"):
+        convert_mcore_to_hf(tmp_path / "ck", tmp_path / "out")
+
+
+def test_cli_roundtrip_and_error(tiny_ckpts: dict, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["hf2mcore", "--hf", str(tiny_ckpts["qwen3"]), "--out", str(tmp_path / "m"), "--tp", "2",
+                 "--dtype", "bf16"]) == 0
+    assert main(["mcore2hf", "--mcore", str(tmp_path / "m"), "--out", str(tmp_path / "h")]) == 0
+    assert capsys.readouterr().out.split() == [str(tmp_path / "m"), str(tmp_path / "h")]
+    original, back = load_file(tiny_ckpts["qwen3"] / "model.safetensors"), load_file(tmp_path / "h" / "model.safetensors")
+    assert all(back[k].dtype == original[k].bfloat16().dtype and back[k].equal(original[k].bfloat16())
+               for k in original)
+    assert '"dtype": "bfloat16"' in (tmp_path / "h" / "config.json").read_text()
+    assert main(["hf2mcore", "--hf", str(tiny_ckpts["qwen3"]), "--out", str(tmp_path / "x"), "--tp", "3"]) == 2
+    assert "tp=3 does not divide" in capsys.readouterr().err
+
+
+def test_console_script_help() -> None:
+    out = subprocess.run([sys.executable, "-m", "ckpt_convert.cli", "hf2mcore", "--help"], capture_output=True,
+                         text=True, check=True).stdout
+    assert all(flag in out for flag in ("--hf", "--out", "--tp", "--pp", "--ep", "--dtype"))
