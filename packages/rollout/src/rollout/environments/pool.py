@@ -112,6 +112,7 @@ class RewardPool:
                 try:
                     _, payload = conn.recv()
                 except (EOFError, OSError):
+                    worker.process.join(timeout=2)  # EOF can arrive before the exit status
                     code = worker.process.exitcode
                     results[task] = CallOutcome("crash", message=f"reward worker died (exit code {code})")
                     idle.append(self._replace(worker))
