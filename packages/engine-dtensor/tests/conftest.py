@@ -24,5 +24,11 @@ def _import_transformers_once() -> None:
     import transformers
     from transformers import AutoModelForCausalLM  # noqa: F401
 
-    for name in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "Qwen3MoeForCausalLM"):
+    for name in (
+        "LlamaForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "MistralForCausalLM",
+        "Qwen3MoeForCausalLM",
+    ):
         getattr(transformers, name)

@@ -6,23 +6,27 @@ import math
 
 import pytest
 import torch
-from rl_core.config import ConfigError, SchedulerConfig
-
 from engine_dtensor.config import DTensorConfig
 from engine_dtensor.optim import build_optimizer, build_scheduler, lr_factor
 from engine_dtensor.parallel_dims import ParallelDims
 from engine_dtensor.testing import make_policy
+from rl_core.config import ConfigError, SchedulerConfig
 
 
 def test_unknown_key_names_the_closest() -> None:
     policy = make_policy("/nowhere", dtensor_cfg={"enabled": True, "tensor_paralel_size": 2})
-    with pytest.raises(ConfigError, match=r"policy\.dtensor_cfg\.tensor_paralel_size.*did you mean 'policy\.dtensor_cfg\.tensor_parallel_size'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"policy\.dtensor_cfg\.tensor_paralel_size.*did you mean 'policy\.dtensor_cfg\.tensor_parallel_size'",
+    ):
         DTensorConfig.from_policy(policy)
 
 
 def test_precision_resolution_and_cross_field_checks() -> None:
     assert DTensorConfig.from_policy(make_policy("/x", precision="bfloat16")).precision == "bfloat16"
-    cfg = DTensorConfig.from_policy(make_policy("/x", precision="bfloat16", dtensor_cfg={"precision": "float32"}))
+    cfg = DTensorConfig.from_policy(
+        make_policy("/x", precision="bfloat16", dtensor_cfg={"precision": "float32"})
+    )
     assert cfg.precision == "float32"
     with pytest.raises(ConfigError, match="bfloat16"):
         DTensorConfig.from_policy(make_policy("/x", precision="float16"))
@@ -47,9 +51,13 @@ def test_optimizer_by_name() -> None:
     opt = build_optimizer(params, policy.optimizer)
     assert isinstance(opt, torch.optim.SGD) and opt.param_groups[0]["momentum"] == 0.9
     with pytest.raises(ValueError, match="did you mean 'AdamW'"):
-        build_optimizer(params, make_policy("/x", optimizer={"name": "AdamWW", "kwargs": {"lr": 1.0}}).optimizer)
+        build_optimizer(
+            params, make_policy("/x", optimizer={"name": "AdamWW", "kwargs": {"lr": 1.0}}).optimizer
+        )
     with pytest.raises(ValueError, match="do not fit torch.optim.SGD"):
-        build_optimizer(params, make_policy("/x", optimizer={"name": "SGD", "kwargs": {"lr": 1.0, "betas": 1}}).optimizer)
+        build_optimizer(
+            params, make_policy("/x", optimizer={"name": "SGD", "kwargs": {"lr": 1.0, "betas": 1}}).optimizer
+        )
 
 
 @pytest.mark.parametrize("decay", ["constant", "cosine", "linear"])

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rl_core.testing.contracts import random_token_batch
-from rl_core.testing.distributed import run_distributed
-
 from engine_dtensor.engine import DTensorEngine
 from engine_dtensor.testing import VOCAB, hf_reference_logprobs, make_policy, max_abs_diff
+from rl_core.testing.contracts import random_token_batch
+from rl_core.testing.distributed import run_distributed
 
 LENGTHS = [5, 9, 7, 12]
 
@@ -30,7 +29,9 @@ def test_one_sequence_per_forward_matches_hf(ckpt, arch: str) -> None:
 
 
 def test_temperature_divides_logits(ckpt) -> None:
-    (got,) = run_distributed(_engine_logprobs, 1, args=(ckpt("qwen2"), {"logprob_batch_size": 1, "temperature": 0.7}))
+    (got,) = run_distributed(
+        _engine_logprobs, 1, args=(ckpt("qwen2"), {"logprob_batch_size": 1, "temperature": 0.7})
+    )
     ref = hf_reference_logprobs(ckpt("qwen2"), random_token_batch(VOCAB, LENGTHS).input_ids, temperature=0.7)
     assert max_abs_diff(got, ref) <= 1e-6
 

@@ -7,11 +7,10 @@ same whatever the micro-batch size, token budget or packing, because the loss us
 from __future__ import annotations
 
 import pytest
-from rl_core.losses import ClippedPGLoss, LossConfig
-from rl_core.testing.distributed import run_distributed
-
 from engine_dtensor.engine import DTensorEngine
 from engine_dtensor.testing import assert_layout_close, full_grads, grpo_batch, make_policy, max_abs_diff
+from rl_core.losses import ClippedPGLoss, LossConfig
+from rl_core.testing.distributed import run_distributed
 
 LAYOUTS = {
     "one-at-a-time": {"train_micro_batch_size": 1, "logprob_batch_size": 1},
@@ -20,8 +19,12 @@ LAYOUTS = {
 }
 BUDGETS = {
     "micro-batch 3": {"train_micro_batch_size": 3},
-    "dynamic 40 tokens": {"dynamic_batching": {"enabled": True, "train_mb_tokens": 40, "sequence_length_round": 4}},
-    "packed 30 tokens ffd": {"sequence_packing": {"enabled": True, "train_mb_tokens": 30, "algorithm": "ffd"}},
+    "dynamic 40 tokens": {
+        "dynamic_batching": {"enabled": True, "train_mb_tokens": 40, "sequence_length_round": 4}
+    },
+    "packed 30 tokens ffd": {
+        "sequence_packing": {"enabled": True, "train_mb_tokens": 30, "algorithm": "ffd"}
+    },
     "packed 64 tokens": {"sequence_packing": {"enabled": True, "train_mb_tokens": 64}},
 }
 
@@ -36,7 +39,10 @@ def _logprobs_and_grads(rank: int, world: int, path: str, batch, overrides: dict
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
 def test_packed_equals_padded_equals_one_at_a_time(ckpt, arch: str) -> None:
     batch = grpo_batch(ckpt(arch))
-    runs = {name: run_distributed(_logprobs_and_grads, 1, args=(ckpt(arch), batch, cfg))[0] for name, cfg in LAYOUTS.items()}
+    runs = {
+        name: run_distributed(_logprobs_and_grads, 1, args=(ckpt(arch), batch, cfg))[0]
+        for name, cfg in LAYOUTS.items()
+    }
     ref_lp, ref_grads, _ = runs["one-at-a-time"]
     assert [n for *_, n in runs.values()] == [8, 1, 1]  # the layouts really differ
     for name in ("padded", "packed"):
@@ -58,7 +64,9 @@ def _one_update(rank: int, world: int, path: str, batch, overrides: dict) -> tup
 
 def test_one_grpo_update_independent_of_micro_batching(ckpt) -> None:
     batch = grpo_batch(ckpt("qwen2"))
-    ref_metrics, ref_params = run_distributed(_one_update, 1, args=(ckpt("qwen2"), batch, {"train_micro_batch_size": 8}))[0]
+    ref_metrics, ref_params = run_distributed(
+        _one_update, 1, args=(ckpt("qwen2"), batch, {"train_micro_batch_size": 8})
+    )[0]
     assert ref_metrics["num_micro_batches"] == 1
     for name, cfg in BUDGETS.items():
         metrics, params = run_distributed(_one_update, 1, args=(ckpt("qwen2"), batch, cfg))[0]
@@ -66,6 +74,8 @@ def test_one_grpo_update_independent_of_micro_batching(ckpt) -> None:
         for key in ("loss", "grad_norm", "pg_loss", "clip_fraction", "entropy", "ratio_max"):
             assert metrics[key] == pytest.approx(ref_metrics[key], abs=1e-6, rel=1e-6), (name, key)
         diff = max_abs_diff(params, ref_params)
-        print(f"{name}: {int(metrics['num_micro_batches'])} micro-batches, max|dparam| = {diff:.2e}, "
-              f"|dloss| = {abs(metrics['loss'] - ref_metrics['loss']):.2e}")
+        print(
+            f"{name}: {int(metrics['num_micro_batches'])} micro-batches, max|dparam| = {diff:.2e}, "
+            f"|dloss| = {abs(metrics['loss'] - ref_metrics['loss']):.2e}"
+        )
         assert diff <= 1e-6, name

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rl_core.losses import ClippedPGLoss
-from rl_core.testing.distributed import run_distributed
-from torch.distributed.tensor import DTensor
-
 from engine_dtensor.engine import DTensorEngine
 from engine_dtensor.forward import build_padded_inputs, forward_logprobs
 from engine_dtensor.testing import assert_layout_close, full_grads, grpo_batch, make_policy, max_abs_diff
+from rl_core.losses import ClippedPGLoss
+from rl_core.testing.distributed import run_distributed
+from torch.distributed.tensor import DTensor
 
 pytestmark = pytest.mark.distributed
 
@@ -21,7 +20,9 @@ pytestmark = pytest.mark.distributed
 ADAMW = {"name": "AdamW", "kwargs": {"lr": 1e-4, "weight_decay": 0.01}}
 
 
-def _train_steps(rank: int, world: int, path: str, batch, steps: int) -> tuple[list[float], dict, dict | None]:
+def _train_steps(
+    rank: int, world: int, path: str, batch, steps: int
+) -> tuple[list[float], dict, dict | None]:
     """`steps` GRPO updates on this rank's share of `batch`: losses, first grads, (rank 0) full params."""
     engine = DTensorEngine(make_policy(path, train_micro_batch_size=2, optimizer=ADAMW))
     shard = batch.select(list(range(rank, len(batch), world)))  # uneven lengths per rank on purpose
@@ -35,14 +36,16 @@ def _train_steps(rank: int, world: int, path: str, batch, steps: int) -> tuple[l
 
 def test_fsdp_two_ranks_equal_one_rank(ckpt) -> None:
     batch = grpo_batch(ckpt("llama"))
-    (ref_losses, ref_grads, ref_params), = run_distributed(_train_steps, 1, args=(ckpt("llama"), batch, 3))
+    ((ref_losses, ref_grads, ref_params),) = run_distributed(_train_steps, 1, args=(ckpt("llama"), batch, 3))
     results = run_distributed(_train_steps, 2, args=(ckpt("llama"), batch, 3))
     losses, grads, params = results[0]
     assert results[1][0] == losses  # StepResult.loss is the global loss on every rank
     loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
     grad_diff, param_diff = max_abs_diff(grads, ref_grads), max_abs_diff(params, ref_params)
-    print(f"FSDP2 dp=2 vs 1 rank: max|dgrad| step 1 = {grad_diff:.2e}; after 3 AdamW steps "
-          f"max|dloss| = {loss_diff:.2e}, max|dparam| = {param_diff:.2e}")
+    print(
+        f"FSDP2 dp=2 vs 1 rank: max|dgrad| step 1 = {grad_diff:.2e}; after 3 AdamW steps "
+        f"max|dloss| = {loss_diff:.2e}, max|dparam| = {param_diff:.2e}"
+    )
     assert grad_diff <= 1e-6 and loss_diff <= 1e-5 and param_diff <= 1e-5
     assert max_abs_diff(params, _initial_params(ckpt("llama"))) > 1e-4  # the steps did move the weights
 
@@ -60,26 +63,37 @@ def _tp_run(rank: int, world: int, path: str, batch, sequence_parallel: bool) ->
     engine.forward_backward(batch, ClippedPGLoss())
     out["grads"] = full_grads(engine)
     if world > 1:  # vocab-parallel logprobs vs log_softmax of the gathered [tokens, vocab] logits
-        inputs = build_padded_inputs(batch.input_ids[:4], attn_impl="sdpa", seq_multiple=world, device=engine.device)
+        inputs = build_padded_inputs(
+            batch.input_ids[:4], attn_impl="sdpa", seq_multiple=world, device=engine.device
+        )
         with torch.no_grad():
             lp, _ = forward_logprobs(engine.model, inputs, temperature=1.0, with_entropy=False)
-            logits = engine.model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
-                                  position_ids=inputs.position_ids).logits
-            out["sharded_logits"] = isinstance(logits, DTensor) and logits.to_local().shape[-1] < logits.shape[-1]
+            logits = engine.model(
+                input_ids=inputs.input_ids,
+                attention_mask=inputs.attention_mask,
+                position_ids=inputs.position_ids,
+            ).logits
+            out["sharded_logits"] = (
+                isinstance(logits, DTensor) and logits.to_local().shape[-1] < logits.shape[-1]
+            )
             full = torch.log_softmax(logits.full_tensor().float(), -1)
             gathered = full[:, :-1].gather(-1, inputs.input_ids[:, 1:, None])[..., 0]
             out["vocab_parallel_vs_gathered"] = float((lp[:, 1:] - gathered).abs().max())
     return out
 
 
-@pytest.mark.parametrize(("arch", "sequence_parallel"), [("llama", False), ("qwen3", True), ("qwen2", True), ("mistral", False)])
+@pytest.mark.parametrize(
+    ("arch", "sequence_parallel"), [("llama", False), ("qwen3", True), ("qwen2", True), ("mistral", False)]
+)
 def test_tensor_parallel_equals_one_rank(ckpt, arch: str, sequence_parallel: bool) -> None:
     batch = grpo_batch(ckpt(arch), lengths=[5, 9, 7, 12, 16, 3])
     (ref,) = run_distributed(_tp_run, 1, args=(ckpt(arch), batch, False))
     tp, _ = run_distributed(_tp_run, 2, args=(ckpt(arch), batch, sequence_parallel))
     lp_diff = assert_layout_close(tp["logprobs"], ref["logprobs"])
     grad_diff = assert_layout_close(tp["grads"], ref["grads"])
-    print(f"{arch} TP=2 sp={sequence_parallel}: max|dlogprob| = {lp_diff:.2e}, max|dgrad| = {grad_diff:.2e}, "
-          f"vocab-parallel vs gathered = {tp['vocab_parallel_vs_gathered']:.2e}")
+    print(
+        f"{arch} TP=2 sp={sequence_parallel}: max|dlogprob| = {lp_diff:.2e}, max|dgrad| = {grad_diff:.2e}, "
+        f"vocab-parallel vs gathered = {tp['vocab_parallel_vs_gathered']:.2e}"
+    )
     assert tp["sharded_logits"]
     assert tp["vocab_parallel_vs_gathered"] <= 1e-6

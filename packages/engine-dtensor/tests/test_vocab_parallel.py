@@ -5,16 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from rl_core.testing.distributed import run_distributed
-
 from engine_dtensor.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
+from rl_core.testing.distributed import run_distributed
 
 N, V, T = 24, 37, 0.7  # V not divisible by 2: the last shard is smaller (torch.chunk layout)
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    return 3 * torch.randn(N, V, generator=gen), torch.randint(0, V, (N,), generator=gen), torch.randn(N, generator=gen)
+    return (
+        3 * torch.randn(N, V, generator=gen),
+        torch.randint(0, V, (N,), generator=gen),
+        torch.randn(N, generator=gen),
+    )
 
 
 def _reference() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

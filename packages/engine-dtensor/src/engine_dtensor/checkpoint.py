@@ -14,7 +14,7 @@ import logging
 import os
 import random
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -111,15 +111,25 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     logger.info("loaded checkpoint %s", path)
 
 
+def _to_checkpoint_layout(model: nn.Module) -> Callable[[str, Tensor], dict[str, Tensor]]:
+    """name, tensor in transformers' in-memory layout -> the on-disk HF layout (e.g. per-expert MoE)."""
+    try:  # transformers >= 5 fuses some weights at load time (MoE experts) and reverts it on save
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return lambda name, tensor: {name: tensor}
+    return lambda name, tensor: revert_weight_conversion(model, {name: tensor})
+
+
 def export_hf_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
-    """Full tensors under HF names, one all-gather at a time; every rank must consume the iterator."""
+    """Full tensors under HF checkpoint names, one all-gather at a time; every rank must consume it."""
+    to_checkpoint = _to_checkpoint_layout(model)
     seen: set[int] = set()
     for name, tensor in model.state_dict().items():
         if id(tensor) in seen:  # tied weights: one name per storage, HF re-ties them
             continue
         seen.add(id(tensor))
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-        yield hf_name(name), full.detach()
+        yield from to_checkpoint(hf_name(name), full.detach()).items()
 
 
 def save_hf(path: str, model: nn.Module, source_dir: str, max_shard_bytes: int = 2 << 30) -> None:

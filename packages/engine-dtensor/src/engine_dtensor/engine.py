@@ -70,7 +70,9 @@ def load_hf_model(path: str, attn_impl: str) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     if not (Path(path) / "config.json").exists():
-        raise ValueError(f"policy.model_name={path!r} is not a local Hugging Face checkpoint (no config.json)")
+        raise ValueError(
+            f"policy.model_name={path!r} is not a local Hugging Face checkpoint (no config.json)"
+        )
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_impl)
 
 
@@ -108,20 +110,30 @@ class DTensorEngine:
         """Micro-batches by count or token budget; padded with empty ones to the max over DP ranks."""
         packing, dynamic = self.policy.sequence_packing, self.policy.dynamic_batching
         if packing.enabled:
-            budget = dict(max_tokens=packing.train_mb_tokens if train else packing.logprob_mb_tokens,
-                          packing=True, algorithm=packing.algorithm, round_to=self.seq_multiple)
+            budget = dict(
+                max_tokens=packing.train_mb_tokens if train else packing.logprob_mb_tokens,
+                packing=True,
+                algorithm=packing.algorithm,
+                round_to=self.seq_multiple,
+            )
         elif dynamic.enabled:
-            budget = dict(max_tokens=dynamic.train_mb_tokens if train else dynamic.logprob_mb_tokens,
-                          round_to=max(dynamic.sequence_length_round, self.seq_multiple))
+            budget = dict(
+                max_tokens=dynamic.train_mb_tokens if train else dynamic.logprob_mb_tokens,
+                round_to=max(dynamic.sequence_length_round, self.seq_multiple),
+            )
         else:
-            budget = dict(max_seqs=self.policy.train_micro_batch_size if train else self.policy.logprob_batch_size)
+            budget = dict(
+                max_seqs=self.policy.train_micro_batch_size if train else self.policy.logprob_batch_size
+            )
         plan = seqpack.plan_micro_batches(lengths, **budget)
         most = int(self._all_reduce([len(plan.micro_batches)], dist.ReduceOp.MAX)[0])
         if most > len(plan.micro_batches):
             plan = seqpack.plan_micro_batches(lengths, **budget, min_micro_batches=most)
         return plan
 
-    def _sequence_logprobs(self, seqs: list[Tensor], *, with_entropy: bool) -> tuple[list[Tensor], list[Tensor] | None]:
+    def _sequence_logprobs(
+        self, seqs: list[Tensor], *, with_entropy: bool
+    ) -> tuple[list[Tensor], list[Tensor] | None]:
         build = build_packed_inputs if self.policy.sequence_packing.enabled else build_padded_inputs
         inputs = build(seqs, attn_impl=self.attn_impl, seq_multiple=self.seq_multiple, device=self.device)
         logprobs, entropy = forward_logprobs(
@@ -138,7 +150,9 @@ class DTensorEngine:
 
     # ---- TrainingEngine -------------------------------------------------------------------------
 
-    def forward_backward(self, batch: TokenBatch, loss_fn: LossFn, *, forward_only: bool = False) -> StepResult:
+    def forward_backward(
+        self, batch: TokenBatch, loss_fn: LossFn, *, forward_only: bool = False
+    ) -> StepResult:
         """Sum of micro-batch losses with global-batch normalisers; grads accumulate unless forward_only."""
         num_tokens, num_seqs = self._all_reduce([batch.num_valid_tokens(), batch.num_valid_seqs()])
         plan = self._plan(batch.lengths, train=True)
@@ -198,7 +212,12 @@ class DTensorEngine:
         self.zero_grad()
         result = self.forward_backward(batch, loss_fn)
         step = self.optimizer_step()
-        return {**result.metrics, "loss": result.loss, **step, "num_micro_batches": float(result.num_micro_batches)}
+        return {
+            **result.metrics,
+            "loss": result.loss,
+            **step,
+            "num_micro_batches": float(result.num_micro_batches),
+        }
 
     def export_hf_weights(self) -> Iterator[tuple[str, Tensor]]:
         return checkpoint.export_hf_weights(self.model)

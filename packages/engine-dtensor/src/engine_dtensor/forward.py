@@ -29,7 +29,9 @@ from engine_dtensor.vocab_parallel import vocab_parallel_entropy, vocab_parallel
 class ModelInputs:
     input_ids: Tensor  # (B, S) long
     position_ids: Tensor  # (B, S) long
-    attention_mask: Tensor | None  # (B, S) for flash padded, (B, 1, S, S) for sdpa/eager, None for flash packed
+    attention_mask: (
+        Tensor | None
+    )  # (B, S) for flash padded, (B, 1, S, S) for sdpa/eager, None for flash packed
     unpack: Callable[[Tensor], list[Tensor]]  # (B, S) per-token values -> [(L_i,)] in the micro-batch's order
 
 
@@ -46,7 +48,9 @@ def _kernel_mask(allowed: Tensor, attn_impl: str) -> Tensor:
     return mask
 
 
-def build_padded_inputs(seqs: list[Tensor], *, attn_impl: str, seq_multiple: int, device: torch.device) -> ModelInputs:
+def build_padded_inputs(
+    seqs: list[Tensor], *, attn_impl: str, seq_multiple: int, device: torch.device
+) -> ModelInputs:
     """Right-padded (B, S) rows; S is rounded up to `seq_multiple` (the TP size under sequence parallel)."""
     lengths = [int(s.numel()) for s in seqs]
     width = _round_up(max(lengths), seq_multiple)
@@ -64,10 +68,14 @@ def build_padded_inputs(seqs: list[Tensor], *, attn_impl: str, seq_multiple: int
     def unpack(values: Tensor) -> list[Tensor]:
         return [values[i, :n] for i, n in enumerate(lengths)]
 
-    return ModelInputs(ids.to(device), positions.to(device), None if mask is None else mask.to(device), unpack)
+    return ModelInputs(
+        ids.to(device), positions.to(device), None if mask is None else mask.to(device), unpack
+    )
 
 
-def build_packed_inputs(seqs: list[Tensor], *, attn_impl: str, seq_multiple: int, device: torch.device) -> ModelInputs:
+def build_packed_inputs(
+    seqs: list[Tensor], *, attn_impl: str, seq_multiple: int, device: torch.device
+) -> ModelInputs:
     """One packed row (1, T) with per-sequence position ids; T is padded to `seq_multiple`."""
     row, layout = seqpack.pack([s.long().cpu() for s in seqs], total_multiple=seq_multiple, pad_value=0)
     mask = None
@@ -100,7 +108,9 @@ def forward_logprobs(
         logits = logits.to_local()
     # logits at t predict token t+1; the last column predicts nothing and is dropped below
     targets = torch.roll(inputs.input_ids, -1, dims=1)
-    next_lp = vocab_parallel_logprobs(logits, targets, vocab_start=vocab_start, group=group, temperature=temperature)
+    next_lp = vocab_parallel_logprobs(
+        logits, targets, vocab_start=vocab_start, group=group, temperature=temperature
+    )
     logprobs = shift_align(next_lp[:, :-1])  # (B, S), 0 at t = 0
     entropy = None
     if with_entropy:

@@ -29,7 +29,9 @@ def build_optimizer(params: Iterable[nn.Parameter], cfg: OptimizerConfig) -> tor
     try:
         return cls(list(params), **cfg.kwargs)
     except TypeError as exc:
-        raise ValueError(f"policy.optimizer.kwargs {cfg.kwargs} do not fit torch.optim.{cfg.name}: {exc}") from exc
+        raise ValueError(
+            f"policy.optimizer.kwargs {cfg.kwargs} do not fit torch.optim.{cfg.name}: {exc}"
+        ) from exc
 
 
 def lr_factor(step: int, cfg: SchedulerConfig) -> float:
@@ -43,7 +45,9 @@ def lr_factor(step: int, cfg: SchedulerConfig) -> float:
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedulerConfig) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: SchedulerConfig
+) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
 
 

@@ -93,16 +93,18 @@ def _layer_plan(layer: nn.Module, sequence_parallel: bool) -> dict[str, Parallel
         plan["self_attn.q_norm"] = HeadShardedNorm()
         plan["self_attn.k_norm"] = HeadShardedNorm()
     if sequence_parallel:
-        plan.update({
-            "input_layernorm": SequenceParallel(use_local_output=True),
-            "post_attention_layernorm": SequenceParallel(use_local_output=True),
-            # attention and MLP need the whole sequence: all-gather it on the way in
-            "self_attn": PrepareModuleInput(
-                input_kwarg_layouts={"hidden_states": Shard(1)},
-                desired_input_kwarg_layouts={"hidden_states": Replicate()},
-            ),
-            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        })
+        plan.update(
+            {
+                "input_layernorm": SequenceParallel(use_local_output=True),
+                "post_attention_layernorm": SequenceParallel(use_local_output=True),
+                # attention and MLP need the whole sequence: all-gather it on the way in
+                "self_attn": PrepareModuleInput(
+                    input_kwarg_layouts={"hidden_states": Shard(1)},
+                    desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                ),
+                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            }
+        )
     return plan
 
 
@@ -132,7 +134,9 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, cfg: DTensorConfig) -> None:
     sp = cfg.sequence_parallel
     top_plan: dict[str, ParallelStyle] = {
         # vocab-sharded embedding; with SP its output is reduce-scattered over the sequence
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate()),
+        "model.embed_tokens": RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate()
+        ),
         # logits stay vocab-sharded (a DTensor): logprobs are computed vocab-parallel, never gathered
         "lm_head": ColwiseParallel(
             input_layouts=Shard(1) if sp else Replicate(), output_layouts=Shard(-1), use_local_output=False
@@ -163,9 +167,13 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: DTensorConfig) -> None:
     """FSDP2 over `mesh` (dp): one unit per decoder layer plus the root (embeddings, norm, lm_head)."""
     param_dtype = torch.bfloat16 if cfg.precision == "bfloat16" else torch.float32
     # params are kept in fp32 (the optimizer's master copy); compute in param_dtype, reduce in fp32
-    kwargs = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)}
+    kwargs = {
+        "mesh": mesh,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
+    }
     if cfg.cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+        # pinned host memory needs CUDA; on a CPU-only run the policy still exercises the same code path
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
@@ -190,6 +198,13 @@ def parallelize(model: nn.Module, parallel_dims: ParallelDims, cfg: DTensorConfi
         apply_compile(model, None, cfg)
     # 4. FSDP always, even on one rank: it is what applies mixed precision and CPU offload.
     apply_fsdp(model, parallel_dims.get_mesh("dp"), cfg)
-    logger.info("parallelized %s: dp=%d tp=%d sp=%s ac=%s compile=%s precision=%s",
-                type(model).__name__, parallel_dims.dp, parallel_dims.tp, cfg.sequence_parallel,
-                cfg.activation_checkpointing, cfg.compile, cfg.precision)
+    logger.info(
+        "parallelized %s: dp=%d tp=%d sp=%s ac=%s compile=%s precision=%s",
+        type(model).__name__,
+        parallel_dims.dp,
+        parallel_dims.tp,
+        cfg.sequence_parallel,
+        cfg.activation_checkpointing,
+        cfg.compile,
+        cfg.precision,
+    )

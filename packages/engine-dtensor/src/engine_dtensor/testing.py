@@ -30,7 +30,9 @@ def make_policy(model_path: str, **overrides: Any) -> PolicyConfig:
     return parse_config(PolicyConfig, data, "policy")
 
 
-def hf_reference_logprobs(model_path: str, seqs: list[torch.Tensor], temperature: float = 1.0) -> list[torch.Tensor]:
+def hf_reference_logprobs(
+    model_path: str, seqs: list[torch.Tensor], temperature: float = 1.0
+) -> list[torch.Tensor]:
     """Plain HF forward of each sequence alone + log_softmax: (L_i,) aligned, 0 at t = 0."""
     from transformers import AutoModelForCausalLM
 
@@ -49,7 +51,10 @@ def grpo_batch(model_path: str, lengths: list[int] | None = None, seed: int = 0)
     lengths = lengths or [5, 9, 7, 12, 16, 3, 11, 8]
     batch = random_token_batch(VOCAB, lengths, seed=seed)
     gen = torch.Generator().manual_seed(seed + 1)
-    prev = [lp + 0.1 * torch.randn(lp.shape, generator=gen) for lp in hf_reference_logprobs(model_path, batch.input_ids)]
+    prev = [
+        lp + 0.1 * torch.randn(lp.shape, generator=gen)
+        for lp in hf_reference_logprobs(model_path, batch.input_ids)
+    ]
     return batch.with_fields(prev_logprobs=prev)
 
 
@@ -63,7 +68,9 @@ def full_grads(engine: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def max_abs_diff(a: list[torch.Tensor] | dict[str, torch.Tensor], b: list[torch.Tensor] | dict[str, torch.Tensor]) -> float:
+def max_abs_diff(
+    a: list[torch.Tensor] | dict[str, torch.Tensor], b: list[torch.Tensor] | dict[str, torch.Tensor]
+) -> float:
     """Largest |a - b| over matching tensors (same names / order and shapes required)."""
     if isinstance(a, dict):
         if a.keys() != b.keys():
@@ -76,7 +83,7 @@ def max_abs_diff(a: list[torch.Tensor] | dict[str, torch.Tensor], b: list[torch.
     for x, y in pairs:
         if x.shape != y.shape:
             raise ValueError(f"shape {tuple(x.shape)} != {tuple(y.shape)}")
-    return max(float((x.double() - y.double()).abs().max()) for x, y in pairs)
+    return max(float((x.detach().double() - y.detach().double()).abs().max()) for x, y in pairs)
 
 
 # Layout changes (TP, DP, packing, recompute) reorder fp32 sums. Logprobs of random tokens reach -20,
@@ -85,7 +92,9 @@ LAYOUT_ATOL = 1e-6
 LAYOUT_RTOL = 2 * torch.finfo(torch.float32).eps
 
 
-def assert_layout_close(a: list[torch.Tensor] | dict[str, torch.Tensor], b: list[torch.Tensor] | dict[str, torch.Tensor]) -> float:
+def assert_layout_close(
+    a: list[torch.Tensor] | dict[str, torch.Tensor], b: list[torch.Tensor] | dict[str, torch.Tensor]
+) -> float:
     """Every pair within LAYOUT_ATOL + LAYOUT_RTOL * |b|; returns the max abs diff (for reports)."""
     diff = max_abs_diff(a, b)
     pairs = [(a[k], b[k]) for k in a] if isinstance(a, dict) else list(zip(a, b))

@@ -1,0 +1,145 @@
+"""Checkpoints resume bit for bit; exported weights are the model (HF logits identical); contract."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+from engine_dtensor.engine import DTensorEngine
+from engine_dtensor.testing import VOCAB, grpo_batch, make_policy, max_abs_diff
+from rl_core.losses import ClippedPGLoss
+from rl_core.testing import contracts
+from rl_core.testing.contracts import check_training_engine
+from rl_core.testing.distributed import run_distributed
+
+
+def _train(engine: DTensorEngine, shard, steps: int) -> list[float]:
+    return [engine.train_batch(shard, ClippedPGLoss())["loss"] for _ in range(steps)]
+
+
+def _resume(rank: int, world: int, path: str, batch, ckpt_dir: str) -> tuple:
+    policy = make_policy(
+        path, train_micro_batch_size=2, scheduler={"warmup_steps": 2, "decay": "cosine", "total_steps": 6}
+    )
+    shard = batch.select(list(range(rank, len(batch), world)))
+    straight = DTensorEngine(policy)
+    losses = _train(straight, shard, 4)
+    lrs_straight = straight.scheduler.get_last_lr()
+    params = dict(straight.export_hf_weights())
+
+    first = DTensorEngine(policy)
+    _train(first, shard, 2)
+    first.save_checkpoint(ckpt_dir)
+    first.save_checkpoint(ckpt_dir)  # overwriting an existing checkpoint is atomic too
+    _train(first, shard, 1)  # state the loader must NOT see
+    resumed = DTensorEngine(policy)
+    resumed.load_checkpoint(ckpt_dir)
+    resumed_losses = _train(resumed, shard, 2)
+    torch.manual_seed(1234 + rank)  # RNG restored: the draw after load equals the draw after save
+    return (
+        losses,
+        resumed_losses,
+        lrs_straight,
+        resumed.scheduler.get_last_lr(),
+        params,
+        dict(resumed.export_hf_weights()),
+    )
+
+
+@pytest.mark.distributed
+def test_save_load_continue_is_bit_exact(ckpt, tmp_path) -> None:
+    batch = grpo_batch(ckpt("qwen2"))
+    results = run_distributed(_resume, 2, args=(ckpt("qwen2"), batch, str(tmp_path / "step2")))
+    losses, resumed_losses, lrs, resumed_lrs, params, resumed_params = results[0]
+    assert resumed_losses == losses[2:]  # floats compared exactly
+    assert resumed_lrs == lrs
+    assert params.keys() == resumed_params.keys()
+    assert all(torch.equal(params[k], resumed_params[k]) for k in params)
+    assert sorted(os.listdir(tmp_path)) == ["step2"]  # no .tmp / .old left behind
+
+
+def _export(rank: int, world: int, path: str, batch, out_dir: str) -> tuple:
+    engine = DTensorEngine(
+        make_policy(path, dtensor_cfg={"tensor_parallel_size": world}, logprob_batch_size=1)
+    )
+    engine.train_batch(batch, ClippedPGLoss())  # exported weights must be the trained ones
+    exported = {}
+    for name, tensor in engine.export_hf_weights():
+        assert not hasattr(tensor, "placements") and name not in exported
+        exported[name] = tensor.clone()
+    engine.save_hf(out_dir)
+    return exported, engine.compute_logprobs(batch)
+
+
+@pytest.mark.distributed
+def test_exported_weights_give_identical_hf_logits(ckpt, tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    path, out = ckpt("llama"), str(tmp_path / "hf")
+    batch = grpo_batch(path, lengths=[6, 11, 4])
+    exported, engine_logprobs = run_distributed(_export, 2, args=(path, batch, out))[0]  # TP=2 shards
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    fresh = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert exported.keys() == dict(fresh.named_parameters()).keys()
+    assert max_abs_diff(exported, dict(fresh.named_parameters())) > 1e-4  # really the trained weights
+    fresh.load_state_dict(exported)
+    with torch.no_grad():
+        for ids, lp in zip(batch.input_ids, engine_logprobs):
+            logits = loaded(input_ids=ids[None]).logits
+            assert torch.equal(logits, fresh(input_ids=ids[None]).logits)  # save_hf == export, bit for bit
+            ref = torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[1:, None])[:, 0]
+            assert (lp[1:] - ref).abs().max() <= 2e-6  # TP engine vs HF: layout rounding only
+    assert (tmp_path / "hf" / "tokenizer.json").exists()
+
+
+def _contract(rank: int, world: int, path: str, overrides: dict, shared_dir: str) -> None:
+    # The contract makes its checkpoint dir with tempfile.TemporaryDirectory(), a different random name
+    # on every rank; DCP needs one path on all ranks, so the ranks share one dir here (see README).
+    contracts.tempfile.TemporaryDirectory = lambda: contextlib.nullcontext(shared_dir)
+    check_training_engine(lambda: DTensorEngine(make_policy(path, **overrides)), VOCAB)
+
+
+@pytest.mark.parametrize(
+    ("world", "overrides"),
+    [
+        (1, {"sequence_packing": {"enabled": True, "train_mb_tokens": 24}}),
+        pytest.param(
+            2,
+            {"dtensor_cfg": {"tensor_parallel_size": 2, "sequence_parallel": True}},
+            marks=pytest.mark.distributed,
+        ),
+        pytest.param(2, {"train_micro_batch_size": 1}, marks=pytest.mark.distributed),
+    ],
+    ids=["1rank-packed", "tp2-sp", "dp2"],
+)
+def test_training_engine_contract(ckpt, tmp_path, world: int, overrides: dict) -> None:
+    run_distributed(_contract, world, args=(ckpt("qwen3"), overrides, str(tmp_path)))
+
+
+def _moe_save(rank: int, world: int, path: str, batch, out_dir: str) -> tuple:
+    engine = DTensorEngine(make_policy(path, logprob_batch_size=1))
+    engine.train_batch(batch, ClippedPGLoss())
+    names = [name for name, _ in engine.export_hf_weights()]
+    engine.save_hf(out_dir)
+    return names, engine.compute_logprobs(batch)
+
+
+def test_moe_export_uses_checkpoint_names(ckpt, tmp_path) -> None:
+    """transformers fuses MoE experts in memory; export and save_hf give the per-expert HF names back."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    path, out = ckpt("qwen3_moe"), str(tmp_path / "hf")
+    batch = grpo_batch(path, lengths=[6, 11])
+    names, engine_logprobs = run_distributed(_moe_save, 1, args=(path, batch, out))[0]
+    with safe_open(f"{path}/model.safetensors", "pt") as original:
+        assert sorted(names) == sorted(original.keys())
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for ids, lp in zip(batch.input_ids, engine_logprobs):
+            ref = torch.log_softmax(loaded(input_ids=ids[None]).logits[0, :-1], -1).gather(-1, ids[1:, None])[
+                :, 0
+            ]
+            assert (lp[1:] - ref).abs().max() <= 1e-6

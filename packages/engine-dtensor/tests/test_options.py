@@ -1,0 +1,147 @@
+"""Engine options and edge cases: bf16, activation checkpointing, CPU offload, uneven DP shards,
+non-finite gradients, unsupported TP, the self-started process group, and the flash-attn GPU path."""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+
+import pytest
+import torch
+from engine_dtensor.engine import DTensorEngine
+from engine_dtensor.testing import assert_layout_close, full_grads, grpo_batch, make_policy, max_abs_diff
+from rl_core.losses import ClippedPGLoss
+from rl_core.registry import create_engine
+from rl_core.testing.distributed import run_distributed
+
+LOSS = ClippedPGLoss()
+
+
+def _grads(rank: int, world: int, path: str, batch, overrides: dict) -> tuple:
+    engine = DTensorEngine(make_policy(path, **overrides))
+    logprobs = engine.compute_logprobs(batch)
+    result = engine.forward_backward(batch, LOSS)
+    grads = full_grads(engine)
+    step = engine.optimizer_step()
+    dtypes = {p.dtype for p in engine.model.parameters()}
+    recomputed = any("_checkpoint_wrapped_module" in name for name, _ in engine.model.named_parameters())
+    return logprobs, grads, result.loss, step, dtypes, recomputed
+
+
+def test_activation_checkpointing_and_cpu_offload_change_nothing(ckpt) -> None:
+    batch = grpo_batch(ckpt("llama"))
+    ref = run_distributed(_grads, 1, args=(ckpt("llama"), batch, {}))[0]
+    for cfg in ({"activation_checkpointing": True}, {"cpu_offload": True}):
+        got = run_distributed(_grads, 1, args=(ckpt("llama"), batch, {"dtensor_cfg": cfg}))[0]
+        assert got[5] == cfg.get("activation_checkpointing", False)  # the layers really are wrapped
+        lp_diff, grad_diff = assert_layout_close(got[0], ref[0]), assert_layout_close(got[1], ref[1])
+        print(f"{cfg}: max|dlogprob| = {lp_diff:.2e}, max|dgrad| = {grad_diff:.2e}")
+
+
+def test_bfloat16_computes_in_bf16_keeps_fp32_master_weights(ckpt) -> None:
+    batch = grpo_batch(ckpt("qwen2"))
+    ref = run_distributed(_grads, 1, args=(ckpt("qwen2"), batch, {}))[0]
+    got = run_distributed(_grads, 1, args=(ckpt("qwen2"), batch, {"precision": "bfloat16"}))[0]
+    lp_diff = max_abs_diff(got[0], ref[0])
+    print(f"bf16 vs fp32: max|dlogprob| = {lp_diff:.3f}, loss {got[2]:.5f} vs {ref[2]:.5f}")
+    assert 1e-4 < lp_diff < 0.25  # really computed in bf16, and still close
+    assert got[4] == {torch.float32} and math.isfinite(got[3]["grad_norm"]) and got[3]["skipped"] == 0.0
+
+
+def _uneven(rank: int, world: int, path: str, batch) -> tuple:
+    """dp=2 with 1 sequence on rank 0 and 5 on rank 1: rank 0 must run dummy micro-batches."""
+    engine = DTensorEngine(make_policy(path, train_micro_batch_size=2, logprob_batch_size=2))
+    shard = batch.select([0] if rank == 0 else [1, 2, 3, 4, 5]) if world == 2 else batch
+    logprobs = engine.compute_logprobs(shard)
+    result = engine.forward_backward(shard, LOSS)
+    return logprobs, full_grads(engine), result.loss, result.num_micro_batches
+
+
+@pytest.mark.distributed
+def test_uneven_dp_shards_run_the_same_number_of_micro_batches(ckpt) -> None:
+    batch = grpo_batch(ckpt("llama"), lengths=[5, 9, 7, 12, 16, 3])
+    ref_lp, ref_grads, ref_loss, _ = run_distributed(_uneven, 1, args=(ckpt("llama"), batch))[0]
+    (lp0, grads, loss, n0), (lp1, _, loss1, n1) = run_distributed(_uneven, 2, args=(ckpt("llama"), batch))
+    assert n0 == n1 == 3 and loss == loss1
+    assert abs(loss - ref_loss) <= 1e-6
+    assert_layout_close(lp0 + lp1, ref_lp)
+    print(f"uneven shards: max|dgrad| = {assert_layout_close(grads, ref_grads):.2e}")
+
+
+def _nan_step(rank: int, world: int, path: str, batch) -> tuple:
+    engine = DTensorEngine(make_policy(path))
+    before = dict(engine.export_hf_weights())
+    engine.forward_backward(batch, lambda inputs: (inputs.logprobs.sum() * float("nan"), {}))
+    step = engine.optimizer_step()
+    after = dict(engine.export_hf_weights())
+    return step, all(torch.equal(before[k], after[k]) for k in before), engine.scheduler.last_epoch
+
+
+def test_non_finite_grad_norm_skips_the_step(ckpt) -> None:
+    step, unchanged, sched_steps = run_distributed(
+        _nan_step, 1, args=(ckpt("llama"), grpo_batch(ckpt("llama")))
+    )[0]
+    assert step["skipped"] == 1.0 and math.isnan(step["grad_norm"]) and unchanged and sched_steps == 0
+
+
+def _moe_tp(rank: int, world: int, path: str) -> str:
+    try:
+        DTensorEngine(make_policy(path, dtensor_cfg={"tensor_parallel_size": 2}))
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_on_moe_is_a_clear_error(ckpt) -> None:
+    message = run_distributed(_moe_tp, 2, args=(ckpt("qwen3_moe"),))[0]
+    assert "model_type 'qwen3_moe'" in message and "tensor_parallel_size=1" in message
+
+
+def _no_process_group(path: str, queue) -> None:  # noqa: ANN001
+    import torch.distributed as dist
+
+    try:
+        engine = create_engine(make_policy(path))  # through the registry, like the trainer
+        queue.put(
+            (
+                type(engine).__name__,
+                dist.get_world_size(),
+                engine.dp_size,
+                len(engine.compute_logprobs(grpo_batch(path))),
+            )
+        )
+    except BaseException as exc:  # noqa: BLE001 - report to the parent
+        queue.put(repr(exc))
+
+
+def test_engine_starts_its_own_process_group(ckpt) -> None:
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_no_process_group, args=(ckpt("llama"), queue))
+    proc.start()
+    result = queue.get(timeout=120)
+    proc.join()
+    assert result == ("DTensorEngine", 1, 1, 8)
+
+
+def _flash_vs_sdpa(rank: int, world: int, path: str, batch) -> tuple:
+    out = []
+    for impl, packed in (("flash_attention_2", True), ("flash_attention_2", False), ("sdpa", False)):
+        engine = DTensorEngine(
+            make_policy(path, sequence_packing={"enabled": packed}, dtensor_cfg={"attn_implementation": impl})
+        )
+        engine.forward_backward(batch, LOSS)
+        out.append((engine.compute_logprobs(batch), {k: v.cpu() for k, v in full_grads(engine).items()}))
+    return out
+
+
+@pytest.mark.gpu
+def test_flash_attention_varlen_packing_on_gpu(ckpt) -> None:
+    pytest.importorskip("flash_attn")
+    batch = grpo_batch(ckpt("llama"))
+    ((packed, padded, sdpa),) = run_distributed(_flash_vs_sdpa, 1, args=(ckpt("llama"), batch))
+    # flash-attn accumulates in a different order than sdpa: compare at fp32 kernel tolerance
+    for other in (padded, sdpa):
+        assert max_abs_diff(packed[0], other[0]) < 1e-4
+        assert max_abs_diff(packed[1], other[1]) < 1e-4
