@@ -1,0 +1,117 @@
+"""Prompt datasets: local JSONL / Parquet files read through Hugging Face `datasets` (never downloaded).
+
+Each row holds a prompt under `prompt_key` (a string, or a list of chat messages {"role", "content"});
+every other column becomes the example's metadata (e.g. "answer" for the math environment). With
+`apply_chat_template=True` the tokenizer's chat template renders the prompt (user turn, optional
+system prompt, generation prompt appended). JSONL lines are checked one by one first, so a malformed
+line is an error naming the file and line number rather than a pyarrow traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+
+
+@dataclass(kw_only=True)
+class PromptExample:
+    """One prompt: the rendered text, its token ids and the row's other fields."""
+
+    prompt: str
+    prompt_token_ids: list[int]
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def _check_jsonl(path: Path, prompt_key: str) -> int:
+    """Validate every line of a JSONL file; returns the number of records."""
+    count = 0
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: malformed JSON ({exc.msg} at column {exc.colno})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object per line, got {type(record).__name__}")
+            if prompt_key not in record:
+                raise ValueError(f"{path}:{lineno}: no {prompt_key!r} field (found {sorted(record)}); set "
+                                 f"prompt_key to the column that holds the prompt")
+            count += 1
+    return count
+
+
+def _read_rows(path: Path, prompt_key: str) -> Any:
+    import datasets
+
+    if not path.is_file():
+        raise ValueError(f"prompt dataset {path} does not exist (expected a local .jsonl or .parquet file)")
+    if path.suffix in JSONL_SUFFIXES:
+        if _check_jsonl(path, prompt_key) == 0:
+            raise ValueError(f"prompt dataset {path} holds no records")
+        return datasets.Dataset.from_json(str(path), keep_in_memory=True)
+    if path.suffix == ".parquet":
+        rows = datasets.Dataset.from_parquet(str(path), keep_in_memory=True)
+        if prompt_key not in rows.column_names:
+            raise ValueError(f"{path}: no {prompt_key!r} column (found {rows.column_names}); set prompt_key")
+        return rows
+    raise ValueError(f"prompt dataset {path}: unsupported suffix {path.suffix!r}; use .jsonl or .parquet")
+
+
+def render_prompt(prompt: str | list[Mapping[str, str]], tokenizer: Any, *, apply_chat_template: bool,
+                  system_prompt: str | None = None) -> str:
+    """The prompt text the model sees: plain, or through the tokenizer's chat template."""
+    if not apply_chat_template:
+        if not isinstance(prompt, str):
+            raise ValueError("a prompt given as chat messages needs apply_chat_template=True")
+        return prompt
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+    if system_prompt is not None and messages[0].get("role") != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(f"apply_chat_template=True but tokenizer {type(tokenizer).__name__} has no chat_template")
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def build_examples(records: Iterable[Mapping[str, Any]], tokenizer: Any, *, prompt_key: str = "prompt",
+                   apply_chat_template: bool = False, system_prompt: str | None = None) -> list[PromptExample]:
+    """Records {prompt_key: ..., other: ...} -> PromptExamples (used for files and the toy generators)."""
+    examples = []
+    for record in records:
+        text = render_prompt(record[prompt_key], tokenizer, apply_chat_template=apply_chat_template,
+                             system_prompt=system_prompt)
+        # A chat template writes its own special tokens; a plain prompt gets the tokenizer's (e.g. BOS).
+        if apply_chat_template:
+            ids = tokenizer.encode(text, add_special_tokens=False)
+        else:
+            ids = tokenizer.encode(text, add_special_tokens=True)
+            if tokenizer.bos_token_id is not None and (not ids or ids[0] != tokenizer.bos_token_id):
+                ids = [tokenizer.bos_token_id] + ids
+        metadata = {k: v for k, v in record.items() if k != prompt_key}
+        if isinstance(record.get("metadata"), Mapping):  # toy generators nest their fields
+            metadata = {**metadata.pop("metadata"), **metadata}
+        examples.append(PromptExample(prompt=text, prompt_token_ids=list(ids), metadata=metadata))
+    return examples
+
+
+def load_prompt_dataset(path: str | Path, tokenizer: Any, *, prompt_key: str = "prompt",
+                        apply_chat_template: bool = False, system_prompt: str | None = None,
+                        limit: int | None = None) -> list[PromptExample]:
+    """Prompts of a local .jsonl / .parquet file, rendered and tokenized."""
+    path = Path(path)
+    rows = _read_rows(path, prompt_key)
+    if limit is not None:
+        rows = rows.select(range(min(limit, len(rows))))
+    examples = build_examples(rows, tokenizer, prompt_key=prompt_key, apply_chat_template=apply_chat_template,
+                              system_prompt=system_prompt)
+    logger.info("loaded %d prompts from %s", len(examples), path)
+    return examples

@@ -1,0 +1,67 @@
+"""Prompt datasets from local JSONL / Parquet, checked against the tokenizer applied by hand."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from rollout.datasets import build_examples, load_prompt_dataset
+from rollout.environments import toy_prompts
+
+ROWS = [{"prompt": "What is 1/2 + 0?", "answer": "1/2"}, {"prompt": "2+2=", "answer": "4"}]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_jsonl_and_parquet_give_the_same_examples(tmp_path, tokenizer):
+    import datasets
+
+    jsonl = write_jsonl(tmp_path / "p.jsonl", ROWS)
+    parquet = tmp_path / "p.parquet"
+    datasets.Dataset.from_list(ROWS).to_parquet(str(parquet))
+    from_jsonl = load_prompt_dataset(jsonl, tokenizer)
+    assert from_jsonl == load_prompt_dataset(parquet, tokenizer)
+    for ex, row in zip(from_jsonl, ROWS):
+        assert ex.prompt == row["prompt"]
+        assert ex.prompt_token_ids == [tokenizer.bos_token_id] + tokenizer.encode(row["prompt"], add_special_tokens=False)
+        assert ex.metadata == {"answer": row["answer"]}
+    assert len(load_prompt_dataset(jsonl, tokenizer, limit=1)) == 1
+
+
+def test_chat_template_renders_user_turn_and_system_prompt(tmp_path, tokenizer):
+    rows = ROWS + [{"prompt": [{"role": "user", "content": "hi"}], "answer": "x"}]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    examples = load_prompt_dataset(path, tokenizer, apply_chat_template=True, system_prompt="Be brief.")
+    assert examples[0].prompt == "system: Be brief.\nuser: What is 1/2 + 0?\nassistant: "
+    assert examples[2].prompt == "system: Be brief.\nuser: hi\nassistant: "
+    assert examples[0].prompt_token_ids == tokenizer.encode(examples[0].prompt, add_special_tokens=False)
+
+
+def test_malformed_jsonl_line_names_file_and_line(tmp_path, tokenizer):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "a"}\n\n{"prompt": "b", oops}\n{"prompt": "c"}\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:3: malformed JSON"):
+        load_prompt_dataset(path, tokenizer)
+    path.write_text('{"prompt": "a"}\n{"question": "b"}\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: no 'prompt' field \(found \['question'\]\)"):
+        load_prompt_dataset(path, tokenizer)
+    path.write_text('{"prompt": "a"}\n[1, 2]\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: expected a JSON object"):
+        load_prompt_dataset(path, tokenizer)
+
+
+def test_missing_file_and_unknown_suffix(tmp_path, tokenizer):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_prompt_dataset(tmp_path / "none.jsonl", tokenizer)
+    (tmp_path / "p.csv").write_text("prompt\na\n")
+    with pytest.raises(ValueError, match="unsupported suffix '.csv'"):
+        load_prompt_dataset(tmp_path / "p.csv", tokenizer)
+
+
+def test_toy_prompts_become_examples_with_flat_metadata(tokenizer):
+    examples = build_examples(toy_prompts("repeat_char", 3), tokenizer)
+    assert [e.metadata["target"] for e in examples] == [e.prompt[-1] for e in examples]
