@@ -10,6 +10,7 @@ leaves a half-written checkpoint under `path`.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import shutil
 import uuid
@@ -35,6 +36,37 @@ def _sharded_state(model: Any, optimizer: Any, scheduler: Any, *, is_loading: bo
     }
 
 
+def _materialize_adam_state(optimizer: Any) -> None:
+    """Create torch Adam's lazily-built state (step 0, zero moments: what its first step() creates).
+
+    Without Apex/TE, DistributedOptimizer.state_dict() asserts on the 'step' of that state, so saving
+    before the first step fails (ckpt_convert.megatron_cpu covers only the loading side of this).
+    """
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = sub.optimizer
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if not inner.state[param]:
+                    inner.state[param].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(param),
+                                              exp_avg_sq=torch.zeros_like(param))
+
+
+def _use_forked_results_queue() -> None:
+    """Give megatron's async file writer a results queue served by a forked Manager process.
+
+    megatron creates it with the *spawn* context: the spawned server re-imports `__main__`, which costs
+    ~20 s per process on a loaded machine, and hangs forever in a script without a
+    `if __name__ == "__main__"` guard (shared/notes/megatron-cpu-probe/part2). A forked Manager does the
+    same job without re-importing anything.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+
+
 def _rng_state() -> dict[str, Any]:
     from megatron.core import tensor_parallel
 
@@ -53,17 +85,29 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _common_path(path: str) -> Path:
+    """A checkpoint is collective and has one location: global rank 0's `path` (warn if a rank differs)."""
+    box = [str(path)]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] != str(path):
+        logger.warning("rank %d was given checkpoint path %s but rank 0 %s: using rank 0's (the path must be "
+                       "on storage shared by all ranks)", dist.get_rank(), path, box[0])
+    return Path(box[0])
+
+
 def save(path: str, model: Any, optimizer: Any, scheduler: Any) -> None:
     """Write everything under `path` atomically (temp dir + rename after a barrier)."""
     from megatron.core import dist_checkpointing
 
-    final = Path(path)
+    final = _common_path(path)
     box = [f".{final.name}.tmp-{uuid.uuid4().hex[:8]}" if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     tmp = final.parent / box[0]
     if dist.get_rank() == 0:
         tmp.mkdir(parents=True)  # dist_checkpointing.save wants an existing, empty directory
     dist.barrier()
+    _materialize_adam_state(optimizer)
+    _use_forked_results_queue()
     with device_context():
         dist_checkpointing.save(_sharded_state(model, optimizer, scheduler, is_loading=False), str(tmp))
     torch.save(_rng_state(), tmp / f"rng_rank{dist.get_rank()}.pt")
@@ -80,6 +124,7 @@ def load(path: str, model: Any, optimizer: Any, scheduler: Any) -> None:
     """Restore model, optimizer, scheduler and (when saved with the same world size) this rank's RNG."""
     from megatron.core import dist_checkpointing
 
+    path = str(_common_path(path))
     if not Path(path, "metadata.json").exists():
         raise ValueError(f"{path} is not an engine checkpoint (no metadata.json); pass a directory that "
                          "MegatronEngine.save_checkpoint wrote")
