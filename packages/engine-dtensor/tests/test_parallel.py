@@ -56,9 +56,17 @@ def _initial_params(path: str) -> dict[str, torch.Tensor]:
     return dict(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict())
 
 
-def _tp_run(rank: int, world: int, path: str, batch, sequence_parallel: bool) -> dict:
+def _tp_run(rank: int, world: int, path: str, batch, sequence_parallel: bool, packing: bool = False) -> dict:
     cfg = {"tensor_parallel_size": world, "sequence_parallel": sequence_parallel} if world > 1 else {}
-    engine = DTensorEngine(make_policy(path, train_micro_batch_size=4, logprob_batch_size=4, dtensor_cfg=cfg))
+    engine = DTensorEngine(
+        make_policy(
+            path,
+            train_micro_batch_size=4,
+            logprob_batch_size=4,
+            dtensor_cfg=cfg,
+            sequence_packing={"enabled": packing, "train_mb_tokens": 40, "logprob_mb_tokens": 40},
+        )
+    )
     out = {"logprobs": engine.compute_logprobs(batch)}
     engine.forward_backward(batch, ClippedPGLoss())
     out["grads"] = full_grads(engine)
@@ -83,16 +91,17 @@ def _tp_run(rank: int, world: int, path: str, batch, sequence_parallel: bool) ->
 
 
 @pytest.mark.parametrize(
-    ("arch", "sequence_parallel"), [("llama", False), ("qwen3", True), ("qwen2", True), ("mistral", False)]
+    ("arch", "sequence_parallel", "packing"),
+    [("llama", False, False), ("qwen3", True, False), ("qwen2", True, True), ("mistral", False, True)],
 )
-def test_tensor_parallel_equals_one_rank(ckpt, arch: str, sequence_parallel: bool) -> None:
+def test_tensor_parallel_equals_one_rank(ckpt, arch: str, sequence_parallel: bool, packing: bool) -> None:
     batch = grpo_batch(ckpt(arch), lengths=[5, 9, 7, 12, 16, 3])
     (ref,) = run_distributed(_tp_run, 1, args=(ckpt(arch), batch, False))
-    tp, _ = run_distributed(_tp_run, 2, args=(ckpt(arch), batch, sequence_parallel))
+    tp, _ = run_distributed(_tp_run, 2, args=(ckpt(arch), batch, sequence_parallel, packing))
     lp_diff = assert_layout_close(tp["logprobs"], ref["logprobs"])
     grad_diff = assert_layout_close(tp["grads"], ref["grads"])
     print(
-        f"{arch} TP=2 sp={sequence_parallel}: max|dlogprob| = {lp_diff:.2e}, max|dgrad| = {grad_diff:.2e}, "
+        f"{arch} TP=2 sp={sequence_parallel} packing={packing}: max|dlogprob| = {lp_diff:.2e}, max|dgrad| = {grad_diff:.2e}, "
         f"vocab-parallel vs gathered = {tp['vocab_parallel_vs_gathered']:.2e}"
     )
     assert tp["sharded_logits"]
