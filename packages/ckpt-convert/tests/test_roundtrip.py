@@ -113,3 +113,19 @@ def test_megatron_pp2_roundtrip(tiny_ckpts: dict, tmp_path: Path) -> None:
 @pytest.mark.distributed
 def test_megatron_ep2_logits_and_roundtrip(tiny_ckpts: dict, tmp_path: Path) -> None:
     _run_layout(tiny_ckpts, tmp_path, MOE_ARCHS, tp=1, pp=1, ep=2, world_size=2)
+
+
+def test_multi_shard_in_and_out(tmp_path: Path) -> None:
+    """Sharded input (index.json) and sharded output: still bit-exact, and transformers loads the output."""
+    from rl_core.testing.tiny_models import save_tiny_checkpoint
+
+    hf = save_tiny_checkpoint(tmp_path / "hf", "mixtral", seed=5, vocab_size=100, max_shard_size="300KB")
+    assert len(list(hf.glob("*.safetensors"))) > 2
+    mcore = convert_hf_to_mcore(hf, tmp_path / "mcore")
+    back = convert_mcore_to_hf(mcore, tmp_path / "back", max_shard_bytes=300_000)
+    shards = sorted(p.name for p in back.glob("*.safetensors"))
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    index = json.loads((back / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(shards)
+    _assert_bit_exact(hf, back)
+    torch.testing.assert_close(hf_logits(back), hf_logits(hf), rtol=0, atol=0)

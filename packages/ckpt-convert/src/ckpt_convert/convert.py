@@ -179,6 +179,13 @@ def _copy_hf_files(src: Path, dst: Path) -> None:
             shutil.copy2(file, dst / file.name)
 
 
+def _checkpoint_source(reader: CheckpointReader, name: str, tc: Any) -> tuple[str, tuple]:
+    key, prefix, _ = checkpoint_key(name, tc.num_layers, tc.num_moe_experts)
+    if key == _MOE_NORM_ALIAS[0] and not reader.has(key):
+        key = _MOE_NORM_ALIAS[1]
+    return key, prefix
+
+
 def convert_mcore_to_hf(mcore_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                         max_shard_bytes: int = 2 * 2**30) -> Path:
     """Convert a megatron torch_dist checkpoint (ours, or megatron-saved at any TP/PP/EP) back to HF."""
@@ -189,18 +196,21 @@ def convert_mcore_to_hf(mcore_dir: str | os.PathLike, out_dir: str | os.PathLike
         mcore_dir, vocab_size=reader.global_shape("embedding.word_embeddings.weight")[0])
     tc = cfg.transformer_config
     names = mcore_names(cfg)
-    dtypes = set()
+    sources = [_checkpoint_source(reader, name, tc) for name in names]
+    plan = []  # HF (name, shape, dtype) per mcore tensor, from meta tensors: no data read yet
+    for name, (key, prefix) in zip(names, sources):
+        meta = torch.empty(reader.global_shape(key)[len(prefix):], dtype=reader.dtype(key), device="meta")
+        plan.append([(n, tuple(t.shape), t.dtype) for n, t in mcore_to_hf_tensors(cfg, hf_config, name, meta)])
+    dtypes = {dtype for group in plan for _, _, dtype in group}
     with _atomic_dir(out_dir) as tmp:
-        writer = HFShardWriter(tmp, max_shard_bytes)
-        for name in tqdm(names, desc="mcore2hf", unit="tensor", disable=None):
-            key, prefix, _ = checkpoint_key(name, tc.num_layers, tc.num_moe_experts)
-            if key == _MOE_NORM_ALIAS[0] and not reader.has(key):
-                key = _MOE_NORM_ALIAS[1]
-            full = reader.read(key, prefix)
-            dtypes.add(full.dtype)
-            for hf_name, tensor in mcore_to_hf_tensors(cfg, hf_config, name, full):
-                writer.add(hf_name, tensor)
-        writer.finish()
+        writer = HFShardWriter(tmp, plan, max_shard_bytes)
+        try:
+            for name, (key, prefix) in zip(tqdm(names, desc="mcore2hf", unit="tensor", disable=None), sources):
+                for hf_name, tensor in mcore_to_hf_tensors(cfg, hf_config, name, reader.read(key, prefix)):
+                    writer.add(hf_name, tensor)
+            writer.finish()
+        finally:
+            writer.close()
         hf_config.dtype = str(next(iter(dtypes))).removeprefix("torch.") if len(dtypes) == 1 else "float32"
         hf_config.save_pretrained(tmp)
         extra = mcore_dir / HF_FILES_DIR

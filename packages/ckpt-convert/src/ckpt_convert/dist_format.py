@@ -167,6 +167,9 @@ class CheckpointReader:
     def global_shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._tensor_md(key).size)
 
+    def dtype(self, key: str) -> torch.dtype:
+        return self._tensor_md(key).properties.dtype
+
     def _tensor_md(self, key: str) -> TensorStorageMetadata:
         md = self.metadata.state_dict_metadata.get(key)
         if not isinstance(md, TensorStorageMetadata):
@@ -180,6 +183,9 @@ class CheckpointReader:
         shape = tuple(md.size)
         lo = prefix + (0,) * (len(shape) - len(prefix))
         hi = tuple(p + 1 for p in prefix) + shape[len(prefix):]
+        for chunk in md.chunks:  # one chunk is exactly the slice (our files): no assembly copy
+            if tuple(chunk.offsets) == lo and tuple(chunk.sizes) == tuple(h - a for h, a in zip(hi, lo)):
+                return self._load_chunk(key, chunk).reshape(shape[len(prefix):])
         out = torch.empty(shape[len(prefix):], dtype=md.properties.dtype)
         filled = 0
         for chunk in md.chunks:

@@ -1,9 +1,10 @@
 """Hugging Face safetensors checkpoints, read and written one tensor at a time.
 
-`HFSource` indexes a checkpoint by its safetensors headers (names, shapes, dtypes; no data) and reads a
-tensor on demand, keeping at most one shard file open: an open safetensors file is memory-mapped, and
-its touched pages count in the resident set, so holding every shard open would defeat streaming.
-`HFShardWriter` buffers tensors up to a shard size and flushes them, then writes the index.
+`HFSource` indexes a checkpoint by its safetensors headers (names, shapes, dtypes; no data; safetensors
+itself validates each file) and reads one tensor on demand with a plain seek + read. Not through
+safetensors' memory map: mapped pages that were read stay in the resident set while the file is open,
+so a mapped shard would count fully against the "one shard plus one layer" memory bound.
+`HFShardWriter` writes shards planned from shapes alone, appending each tensor as it is produced.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +46,9 @@ class HFSource:
                     self.where[name] = file
                     self.shapes[name] = tuple(info.get_shape())
                     self.dtypes[name] = SAFETENSORS_DTYPES[info.get_dtype()]
-        self._handle = None
-        self._handle_file: Path | None = None
+        self._offsets: dict[str, tuple[int, int]] = {}
+        for file in files:
+            self._offsets.update(_data_offsets(file))
 
     @staticmethod
     def _open(file: Path):  # noqa: ANN205 - safetensors' handle type is private
@@ -66,61 +67,107 @@ class HFSource:
         return torch.empty(self.shapes[name], dtype=self.dtypes[name], device="meta")
 
     def get(self, name: str) -> torch.Tensor:
-        """Read one tensor (switching the single open shard if needed)."""
-        file = self.where[name]
-        if self._handle_file != file:
-            self.close()
-            self._handle = self._open(file).__enter__()
-            self._handle_file = file
-        try:
-            return self._handle.get_tensor(name)
-        except (SafetensorError, OSError) as err:
-            raise ValueError(f"{file}: cannot read tensor {name!r} ({err}); the file is corrupt") from err
+        """Read one tensor from its file (no memory map: only this tensor becomes resident)."""
+        begin, end = self._offsets[name]
+        buf = bytearray(end - begin)
+        with open(self.where[name], "rb") as f:
+            f.seek(begin)
+            if f.readinto(buf) != len(buf):
+                raise ValueError(f"{self.where[name]}: tensor {name!r} is truncated; the file is corrupt")
+        if not buf:
+            return torch.empty(self.shapes[name], dtype=self.dtypes[name])
+        return torch.frombuffer(buf, dtype=self.dtypes[name]).reshape(self.shapes[name])
 
     def close(self) -> None:
-        if self._handle is not None:
-            self._handle.__exit__(None, None, None)
-        self._handle, self._handle_file = None, None
+        """Nothing stays open between reads (kept for symmetry with writers)."""
+
+
+def _data_offsets(file: Path) -> dict[str, tuple[int, int]]:
+    """Absolute (begin, end) byte offsets of every tensor, from the safetensors header."""
+    with open(file, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+    base = 8 + header_len
+    return {name: (base + info["data_offsets"][0], base + info["data_offsets"][1])
+            for name, info in header.items() if name != "__metadata__"}
+
+
+_DTYPE_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 
 class HFShardWriter:
-    """Writes named tensors into safetensors shards of at most `max_shard_bytes`, then the index."""
+    """Streams named tensors into safetensors shards planned in advance, so nothing is buffered.
 
-    def __init__(self, out_dir: Path, max_shard_bytes: int) -> None:
+    `plan` lists groups of (name, shape, dtype) in write order; a group (the HF tensors of one mcore
+    tensor) never straddles two shards. Each shard's header is written when the shard is opened, then
+    tensors are appended as they arrive, in plan order.
+    """
+
+    def __init__(self, out_dir: Path, plan: list[list[tuple[str, tuple[int, ...], torch.dtype]]],
+                 max_shard_bytes: int) -> None:
         self.out_dir = out_dir
-        self.max_shard_bytes = max_shard_bytes
-        self._buffer: dict[str, torch.Tensor] = {}
-        self._buffer_bytes = 0
-        self._shards: list[list[str]] = []
+        shards: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = [[]]
+        size = 0
+        for group in plan:
+            group_bytes = sum(torch.Size(s).numel() * d.itemsize for _, s, d in group)
+            if shards[-1] and size + group_bytes > max_shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].extend(group)
+            size += group_bytes
+        count = len(shards)
+        self.file_names = (["model.safetensors"] if count == 1 else
+                           [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)])
+        self._queue = [(name, shape, dtype, i) for i, shard in enumerate(shards) for name, shape, dtype in shard]
+        self._shards = shards
+        self._pos = 0
+        self._file = None
+        self._file_index = -1
         self.total_bytes = 0
         self.num_params = 0
 
+    def _open_shard(self, index: int) -> None:
+        self.close()
+        header: dict = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for name, shape, dtype in self._shards[index]:
+            nbytes = torch.Size(shape).numel() * dtype.itemsize
+            header[name] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned, as safetensors writes it
+        self._file = open(self.out_dir / self.file_names[index], "wb")  # noqa: SIM115 - closed in close()
+        self._file.write(len(blob).to_bytes(8, "little") + blob)
+        self._file_index = index
+
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        size = tensor.numel() * tensor.element_size()
-        if self._buffer and self._buffer_bytes + size > self.max_shard_bytes:
-            self._flush()
-        self._buffer[name] = tensor.contiguous()
-        self._buffer_bytes += size
-        self.total_bytes += size
+        if self._pos >= len(self._queue):
+            raise ValueError(f"HF tensor {name!r} was not planned (all {len(self._queue)} planned tensors written)")
+        expected, shape, dtype, shard = self._queue[self._pos]
+        if (name, tuple(tensor.shape), tensor.dtype) != (expected, shape, dtype):
+            raise ValueError(f"HF tensor {name!r} {tuple(tensor.shape)} {tensor.dtype} arrived where "
+                             f"{expected!r} {shape} {dtype} was planned")
+        if shard != self._file_index:
+            self._open_shard(shard)
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        if data.numel():
+            self._file.write(memoryview(data.numpy()))
+        self._pos += 1
+        self.total_bytes += data.numel()
         self.num_params += tensor.numel()
 
-    def _flush(self) -> None:
-        save_file(self._buffer, str(self.out_dir / f"shard-{len(self._shards)}.tmp"), metadata={"format": "pt"})
-        self._shards.append(list(self._buffer))
-        self._buffer, self._buffer_bytes = {}, 0
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
     def finish(self) -> list[str]:
-        """Flush, give the shards their final names (model.safetensors or model-0000i-of-0000n), index."""
-        if self._buffer:
-            self._flush()
-        count = len(self._shards)
-        names = (["model.safetensors"] if count == 1 else
-                 [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)])
-        weight_map = {}
-        for i, (final, tensors) in enumerate(zip(names, self._shards)):
-            os.rename(self.out_dir / f"shard-{i}.tmp", self.out_dir / final)
-            weight_map.update(dict.fromkeys(tensors, final))
-        if count > 1:
+        """Close the last shard and write the index (for more than one shard)."""
+        self.close()
+        if self._pos != len(self._queue):
+            raise ValueError(f"only {self._pos} of {len(self._queue)} planned HF tensors were written")
+        if len(self.file_names) > 1:
+            weight_map = {name: self.file_names[i] for name, _, _, i in self._queue}
             index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
             (self.out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2))
-        return names
+        return self.file_names
