@@ -20,12 +20,16 @@ VOCAB = 100  # tiny checkpoints with vocab 100: megatron pads to 128 * TP, so pa
 LENGTHS = [5, 9, 7, 12, 3, 10, 8, 6]
 LOSS = LossConfig(eps_low=0.2, eps_high=0.28, agg="token-mean")
 
+# AdamW eps 1e-6 (torch's default is 1e-8): Adam's first step is lr * g / (|g| + eps), which turns a
+# gradient element at the float-noise floor (|g| ~ 1e-9, where two engines or layouts sum in a different
+# order) into an lr-sized update of random sign. eps = 1e-6 keeps such elements ~1e-6 * lr apart instead
+# of ~0.1 * lr, so the weight comparison measures the engines rather than Adam's noise amplification.
 POLICY = {
     "precision": "float32",
     "train_micro_batch_size": 2,
     "logprob_batch_size": 3,
     "max_grad_norm": 1.0,
-    "optimizer": {"name": "AdamW", "kwargs": {"lr": 1e-3, "weight_decay": 0.01, "betas": [0.9, 0.999], "eps": 1e-8}},
+    "optimizer": {"name": "AdamW", "kwargs": {"lr": 1e-3, "weight_decay": 0.01, "betas": [0.9, 0.999], "eps": 1e-6}},
     "scheduler": {"warmup_steps": 0, "decay": "constant"},
 }
 
@@ -129,8 +133,12 @@ def reference_run(ckpt: str, policy_kw: dict[str, Any] | None = None, steps: int
 
 
 def assert_same_run(run: list[dict[str, Any]], ref: list[dict[str, Any]], *, logprob_tol: float = 5e-6,
-                    weight_rel_tol: float = 1e-5, weight_abs_tol: float = 1e-4) -> dict[str, float]:
-    """Logprobs before/after one step, loss, grad norm and exported weights of two runs agree."""
+                    weight_rel_tol: float = 1e-6, weight_abs_tol: float = 1e-5) -> dict[str, float]:
+    """Logprobs before/after one step, loss, grad norm and exported weights of two runs agree.
+
+    logprob_tol 5e-6: logprobs here are ~ -5, where one float32 ulp is 4.8e-7; a different reduction
+    order (TP all-reduce, packed vs padded attention) moves them by a few ulps (measured <= 1.9e-6).
+    """
     before = max_abs_diff(by_index(run, "before"), by_index(ref, "before"))
     after = max_abs_diff(by_index(run, "after"), by_index(ref, "after"))
     m, m_ref = run[0]["metrics"][-1], ref[0]["metrics"][-1]
@@ -140,6 +148,6 @@ def assert_same_run(run: list[dict[str, Any]], ref: list[dict[str, Any]], *, log
     diffs = {"logprobs_before": before, "logprobs_after": after, "loss": loss, "grad_norm_rel": grad_norm,
              "weights_rel": rel, "weights_abs": absolute}
     assert before <= logprob_tol and loss <= 1e-6 and grad_norm <= 1e-6, diffs
-    assert rel <= weight_rel_tol and absolute <= weight_abs_tol and after <= 10 * logprob_tol, diffs
+    assert rel <= weight_rel_tol and absolute <= weight_abs_tol and after <= 2 * logprob_tol, diffs
     assert m["num_micro_batches"] >= 1 and m_ref["lr"] == m["lr"], (m, m_ref)
     return diffs

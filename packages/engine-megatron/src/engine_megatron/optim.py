@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from rl_core.config import ConfigError, PolicyConfig
+from rl_core.config import ConfigError, PolicyConfig, SchedulerConfig
 
 from engine_megatron.config import MegatronConfig
 
@@ -67,27 +67,44 @@ def build_optimizer(opt_config: Any, model_chunks: list) -> Any:
     return get_megatron_optimizer(opt_config, model_chunks, config_overrides={})
 
 
+def lr_factor(step: int, sched: SchedulerConfig) -> float:
+    """policy.scheduler's multiplier of the base lr at optimizer step `step` (0-based), as in every engine."""
+    if step < sched.warmup_steps:
+        return (step + 1) / sched.warmup_steps
+    if sched.decay == "constant":
+        return 1.0
+    progress = min(1.0, (step - sched.warmup_steps) / max(1, sched.total_steps - sched.warmup_steps))
+    shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if sched.decay == "cosine" else 1.0 - progress
+    return sched.min_lr_ratio + (1.0 - sched.min_lr_ratio) * shape
+
+
 def build_scheduler(optimizer: Any, policy: PolicyConfig, cfg: MegatronConfig) -> Any:
-    """Linear warmup to lr, then constant / cosine / linear decay to min_lr_ratio * lr over total_steps."""
+    """megatron's OptimizerParamScheduler; its lr follows `policy.scheduler` unless megatron_cfg.scheduler
+    overrides any of its settings, in which case megatron's own schedule (lr_decay_style, WSD...) is used.
+
+    Why not megatron's formula always: it warms up from step 0 with lr = init_lr (0), where policy.scheduler
+    (and the DTensor engine) start at lr / warmup_steps; the same config must give the same lr sequence.
+    """
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     sched = policy.scheduler
     lr = float(policy.optimizer.kwargs["lr"])
     wd = float(policy.optimizer.kwargs.get("weight_decay", 0.0 if policy.optimizer.name == "SGD" else 0.01))
     kwargs: dict[str, Any] = dict(
-        init_lr=0.0 if sched.warmup_steps else lr,
-        max_lr=lr,
-        min_lr=lr * sched.min_lr_ratio,
-        lr_warmup_steps=sched.warmup_steps,
-        lr_decay_steps=max(sched.total_steps, sched.warmup_steps + 1),
-        lr_decay_style=sched.decay,
-        start_wd=wd,
-        end_wd=wd,
-        wd_incr_steps=max(sched.total_steps, 1),
+        init_lr=0.0 if sched.warmup_steps else lr, max_lr=lr, min_lr=lr * sched.min_lr_ratio,
+        lr_warmup_steps=sched.warmup_steps, lr_decay_steps=max(sched.total_steps, sched.warmup_steps + 1),
+        lr_decay_style=sched.decay, start_wd=wd, end_wd=wd, wd_incr_steps=max(sched.total_steps, 1),
         wd_incr_style="constant",
     )
-    kwargs.update(cfg.scheduler)
-    return OptimizerParamScheduler(optimizer, **kwargs)
+    if cfg.scheduler:
+        kwargs.update(cfg.scheduler)
+        return OptimizerParamScheduler(optimizer, **kwargs)
+
+    class PolicyScheduler(OptimizerParamScheduler):
+        def get_lr(self, param_group: dict) -> float:
+            return lr * lr_factor(self.num_steps, sched)
+
+    return PolicyScheduler(optimizer, **kwargs)
 
 
 def current_lr(optimizer: Any) -> float:
