@@ -49,18 +49,24 @@ def global_batch(seed: int = 0, lengths: list[int] | None = None) -> TokenBatch:
     return random_token_batch(VOCAB, lengths or LENGTHS, seed=seed)
 
 
-def dp_indices(n: int, dp_rank: int, dp_size: int) -> list[int]:
-    return list(range(dp_rank, n, dp_size))
+def dp_indices(n: int, dp_rank: int, dp_size: int, uneven: bool = False) -> list[int]:
+    """Interleaved DP shards; `uneven`: the last DP rank gets one sequence, the others share the rest
+    (it then runs zero-weight dummy micro-batches to match the other ranks' count)."""
+    if not uneven or dp_size == 1:
+        return list(range(dp_rank, n, dp_size))
+    if dp_rank == dp_size - 1:
+        return [n - 1]
+    return list(range(dp_rank, n - 1, dp_size - 1))
 
 
 def engine_run(rank: int, world_size: int, ckpt: str, megatron_cfg: dict[str, Any], policy_kw: dict[str, Any],
-               steps: int = 1, export: bool = True, seed: int = 0) -> dict[str, Any]:
+               steps: int = 1, export: bool = True, seed: int = 0, uneven: bool = False) -> dict[str, Any]:
     """Build, logprobs, `steps` x train_batch, logprobs again, export; per-rank results by global index."""
     from engine_megatron.engine import MegatronEngine
 
     engine = MegatronEngine(make_policy(ckpt, megatron_cfg, **policy_kw))
     batch = global_batch(seed)
-    indices = dp_indices(len(batch), engine.dp_rank, engine.dp_size)
+    indices = dp_indices(len(batch), engine.dp_rank, engine.dp_size, uneven)
     mine = batch.select(indices)
     before = engine.compute_logprobs(mine)
     mine = mine.with_fields(prev_logprobs=[lp.clone() for lp in before])

@@ -66,6 +66,21 @@ def test_layout_equals_single_rank(tiny_ckpt, layout: str) -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("megatron_cfg", [{}, {"expert_model_parallel_size": 2}], ids=["dense", "moe_ep2"])
+def test_uneven_dp_shards_run_dummy_micro_batches(tiny_ckpt, megatron_cfg: dict) -> None:
+    """DP rank 1 holds 1 sequence, rank 0 seven: rank 1 runs zero-weight dummies, results are unchanged."""
+    ckpt = tiny_ckpt("qwen3_moe" if megatron_cfg else "qwen2")
+    run = run_distributed(_uneven_run, world_size=2, args=(ckpt, megatron_cfg))
+    assert [len(r["indices"]) for r in run] == [7, 1]
+    diffs = assert_same_run(run, reference_run(ckpt))
+    logger.info("%s uneven DP shards vs 1 rank: %s", "qwen3_moe EP=2" if megatron_cfg else "qwen2", diffs)
+
+
+def _uneven_run(rank: int, world_size: int, ckpt: str, megatron_cfg: dict) -> dict:
+    return engine_run(rank, world_size, ckpt, megatron_cfg, {}, uneven=True)
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_expert_parallel_equals_single_rank(tiny_ckpt, arch: str) -> None:
     """EP=2 (x DP=2 for the dense part) == EP=1 on one rank; qwen3_moe also against HF."""
