@@ -70,6 +70,7 @@ def _tp_run(rank: int, world: int, path: str, batch, sequence_parallel: bool, pa
     out = {"logprobs": engine.compute_logprobs(batch)}
     engine.forward_backward(batch, ClippedPGLoss())
     out["grads"] = full_grads(engine)
+    out["grad_norm"] = engine.optimizer_step()["grad_norm"]  # clipping groups grads by mesh under TP
     if world > 1:  # vocab-parallel logprobs vs log_softmax of the gathered [tokens, vocab] logits
         inputs = build_padded_inputs(
             batch.input_ids[:4], attn_impl="sdpa", seq_multiple=world, device=engine.device
@@ -86,7 +87,8 @@ def _tp_run(rank: int, world: int, path: str, batch, sequence_parallel: bool, pa
             )
             full = torch.log_softmax(logits.full_tensor().float(), -1)
             gathered = full[:, :-1].gather(-1, inputs.input_ids[:, 1:, None])[..., 0]
-            out["vocab_parallel_vs_gathered"] = float((lp[:, 1:] - gathered).abs().max())
+            out["vocab_parallel"] = [lp[:, 1:]]
+            out["gathered"] = [gathered]
     return out
 
 
@@ -100,9 +102,38 @@ def test_tensor_parallel_equals_one_rank(ckpt, arch: str, sequence_parallel: boo
     tp, _ = run_distributed(_tp_run, 2, args=(ckpt(arch), batch, sequence_parallel, packing))
     lp_diff = assert_layout_close(tp["logprobs"], ref["logprobs"])
     grad_diff = assert_layout_close(tp["grads"], ref["grads"])
+    vocab_diff = assert_layout_close(tp["vocab_parallel"], tp["gathered"])
     print(
         f"{arch} TP=2 sp={sequence_parallel} packing={packing}: max|dlogprob| = {lp_diff:.2e}, max|dgrad| = {grad_diff:.2e}, "
-        f"vocab-parallel vs gathered = {tp['vocab_parallel_vs_gathered']:.2e}"
+        f"vocab-parallel vs gathered = {vocab_diff:.2e}"
     )
-    assert tp["sharded_logits"]
-    assert tp["vocab_parallel_vs_gathered"] <= 1e-6
+    ref_norm = sum(float(g.double().square().sum()) for g in ref["grads"].values()) ** 0.5
+    assert tp["grad_norm"] == pytest.approx(ref_norm, rel=1e-6)
+    assert ref["grad_norm"] == pytest.approx(ref_norm, rel=1e-6)
+    assert tp["sharded_logits"]  # each rank really held a vocab slice of the logits
+
+
+def _two_d(rank: int, world: int, path: str, batch) -> tuple:
+    """dp x tp = 2 x 2 when world is 4: each DP group takes its half of the batch."""
+    tp = 2 if world == 4 else 1
+    engine = DTensorEngine(
+        make_policy(path, train_micro_batch_size=2, dtensor_cfg={"tensor_parallel_size": tp})
+    )
+    shard = batch.select(list(range(engine.dp_rank, len(batch), engine.dp_size)))
+    logprobs = engine.compute_logprobs(batch)
+    loss = engine.forward_backward(shard, ClippedPGLoss()).loss
+    grads = full_grads(engine)
+    return loss, grads, engine.optimizer_step()["grad_norm"], logprobs
+
+
+@pytest.mark.slow
+def test_fsdp_times_tp_on_four_ranks_equals_one_rank(ckpt) -> None:
+    batch = grpo_batch(ckpt("qwen3"), lengths=[5, 9, 7, 12, 16, 3])
+    ref_loss, ref_grads, ref_norm, ref_lp = run_distributed(_two_d, 1, args=(ckpt("qwen3"), batch))[0]
+    loss, grads, norm, logprobs = run_distributed(_two_d, 4, args=(ckpt("qwen3"), batch))[0]
+    grad_diff = assert_layout_close(grads, ref_grads)
+    lp_diff = assert_layout_close(logprobs, ref_lp)
+    print(
+        f"dp=2 x tp=2: max|dgrad| = {grad_diff:.2e}, max|dlogprob| = {lp_diff:.2e}, |dloss| = {abs(loss - ref_loss):.1e}"
+    )
+    assert loss == pytest.approx(ref_loss, abs=1e-6) and norm == pytest.approx(ref_norm, rel=1e-6)

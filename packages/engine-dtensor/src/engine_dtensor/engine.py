@@ -189,7 +189,9 @@ class DTensorEngine:
                 outputs.append([])
                 continue
             logprobs, _ = self._sequence_logprobs([batch.input_ids[i] for i in indices], with_entropy=False)
-            outputs.append([lp.float().cpu() for lp in logprobs])
+            outputs.append(
+                [lp.float().cpu().clone() for lp in logprobs]
+            )  # compact: not views of the (B, S) rows
         return plan.restore(outputs)
 
     def optimizer_step(self) -> dict[str, float]:
