@@ -127,3 +127,29 @@ def test_bad_sampling_params_and_prompts(tiny_ckpt):
         backend.generate([[1, 2], [1, 999]], SamplingParams())
     with pytest.raises(ValueError, match=r"prompt_token_ids\[0\] is empty"):
         backend.generate([[]], SamplingParams())
+
+
+def test_preallocated_cache_and_gqa_attention_match_transformers_defaults(tiny_ckpt, prompts):
+    """rollout's in-place KV cache (also when it must grow) + rollout_sdpa == DynamicCache + sdpa."""
+    from rollout import attention
+    from rollout.kv_cache import make_cache
+    from transformers import DynamicCache
+
+    attention.register()
+    ref = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32, attn_implementation="sdpa").eval()
+    ours = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32,
+                                                attn_implementation="rollout_sdpa").eval()
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    attn = (ids != 0).long()
+    caches = {"ref": DynamicCache(config=ref.config), "ours": make_cache(ours.config, capacity=width + 1)}
+    with torch.no_grad():
+        for step in range(4):  # prefill, then 3 decode steps: the capacity of width + 1 must grow
+            pos = attn.cumsum(-1)[:, -ids.shape[1]:] - 1 if step == 0 else attn.sum(-1, keepdim=True) - 1
+            outs = {name: model(input_ids=ids, attention_mask=attn, position_ids=pos.clamp(min=0),
+                                past_key_values=caches[name]).logits[:, -1]
+                    for name, model in (("ref", ref), ("ours", ours))}
+            torch.testing.assert_close(outs["ours"], outs["ref"], atol=1e-5, rtol=0)
+            ids = outs["ref"].argmax(-1, keepdim=True)
+            attn = torch.cat([attn, torch.ones_like(ids)], dim=-1)
+    assert caches["ours"].get_seq_length() == width + 3

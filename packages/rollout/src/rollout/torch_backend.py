@@ -6,7 +6,8 @@ weight refit. Does not own sampling math (rollout.sampling) or the logprob conve
 
 How it stays fast without per-sequence Python loops:
 - each prompt is prefilled once and its KV cache is repeated n times (samples share the prefix);
-- one decode step is one forward pass over all active rows (per-row positions + attention mask);
+- one decode step is one forward pass over all active rows (per-row positions + attention mask), with a
+  KV cache written in place (rollout.kv_cache) and sdpa without K/V head copies (rollout.attention);
 - rows that hit a stop token are dropped from the batch and the KV cache as soon as a quarter of the
   active rows are finished, so finished sequences stop costing compute.
 """
@@ -21,6 +22,7 @@ import torch
 from rl_core.interfaces import Completion, SamplingParams
 from torch import Tensor
 
+from rollout.kv_cache import make_cache
 from rollout.sampling import make_generator, sample_next, validate_params
 
 logger = logging.getLogger(__name__)
@@ -47,6 +49,8 @@ class TorchGenerationBackend:
         max_batch_tokens: optional cap on rows x (prompt + max_new_tokens) per chunk (memory bound).
         compact_fraction: drop finished rows once this share of the active rows has finished.
         eos_token_ids: stop tokens added to every request; default: the checkpoint's eos ids.
+        attn_implementation: "rollout_sdpa" (sdpa without K/V head copies, rollout.attention) or any
+            transformers implementation ("sdpa", "eager").
     """
 
     def __init__(
@@ -59,10 +63,13 @@ class TorchGenerationBackend:
         max_batch_tokens: int | None = None,
         compact_fraction: float = 0.25,
         eos_token_ids: Sequence[int] | None = None,
-        attn_implementation: str = "sdpa",
+        attn_implementation: str = "rollout_sdpa",
     ) -> None:
         from transformers import AutoModelForCausalLM
 
+        from rollout import attention
+
+        attention.register()
         if dtype not in DTYPES:
             raise ValueError(f"TorchGenerationBackend dtype={dtype!r}; choose one of {sorted(DTYPES)}")
         if max_num_seqs < 1:
@@ -140,12 +147,10 @@ class TorchGenerationBackend:
         self, prompts: list[list[int]], params: SamplingParams, stop_ids: Tensor, generator: torch.Generator
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Decode one chunk; returns tokens (B, T), logprobs (B, T), lengths (B,), stopped (B,)."""
-        from transformers import DynamicCache
-
         n, max_new = params.n, params.max_new_tokens
         num_rows = len(prompts) * n
         dev = self.device
-        cache = DynamicCache(config=self.model.config)
+        cache = make_cache(self.model.config, capacity=max(len(p) for p in prompts) + max_new)
         logits, attn = self._prefill(prompts, cache)  # (P, V), (P, Lp)
         if n > 1:  # samples of a prompt share its prefill
             cache.batch_repeat_interleave(n)
