@@ -95,9 +95,8 @@ def test_expert_parallel_equals_single_rank(tiny_ckpt, arch: str) -> None:
 
 
 def _recompute_settings(rank: int, world_size: int, ckpt: str) -> tuple:
-    from megatron_testutil import make_policy
-
     from engine_megatron.engine import MegatronEngine
+    from megatron_testutil import make_policy
 
     engine = MegatronEngine(make_policy(ckpt, {"activation_checkpointing": {"enabled": True, "num_layers": 1}}))
     config = engine.model.module.config

@@ -18,9 +18,8 @@ def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _worker(rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from megatron.core import parallel_state as ps
-
     from engine_megatron.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
+    from megatron.core import parallel_state as ps
 
     ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
     try:

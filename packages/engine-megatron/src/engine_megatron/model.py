@@ -29,7 +29,11 @@ logger = logging.getLogger(__name__)
 def build_ddp_model(model_cfg: Any, ddp_overrides: dict[str, Any], ranks: ParallelRanks) -> Any:
     """This rank's GPTModel stage wrapped in megatron's DistributedDataParallel."""
     from ckpt_convert.mcore_model import build_gpt_model
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
 
     from engine_megatron.compat import device_context
 

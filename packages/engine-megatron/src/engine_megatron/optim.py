@@ -14,7 +14,6 @@ import math
 from typing import Any
 
 import torch
-
 from rl_core.config import ConfigError, PolicyConfig, SchedulerConfig
 
 from engine_megatron.config import MegatronConfig
