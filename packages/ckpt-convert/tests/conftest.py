@@ -20,6 +20,18 @@ from ckpt_convert_testutil import ARCHS  # noqa: E402
 ensure_cpu_compat()
 
 
+def _warm_megatron_save_queue() -> None:
+    """megatron's torch_dist save starts a *spawned* multiprocessing Manager on its first call in a process
+    (filesystem_async._get_write_results_queue) and caches it in a module global. Create it once here, so
+    the forked test workers inherit the proxy instead of each spawning a Manager (seconds per worker)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    filesystem_async._get_write_results_queue()
+
+
+_warm_megatron_save_queue()
+
+
 @pytest.fixture(scope="session")
 def tiny_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """arch -> path of a tiny HF checkpoint (vocab 100: not a multiple of 128, so padding is exercised)."""
@@ -27,3 +39,11 @@ def tiny_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
     root = tmp_path_factory.mktemp("hf")
     return {arch: save_tiny_checkpoint(root / arch, arch, seed=3, vocab_size=100) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def ref_logits(tiny_ckpts: dict) -> dict:
+    """arch -> HF logits for TOKENS (the independent reference every megatron logits test compares to)."""
+    from ckpt_convert_testutil import hf_logits
+
+    return {arch: hf_logits(path) for arch, path in tiny_ckpts.items()}

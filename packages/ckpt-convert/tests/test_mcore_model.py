@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from ckpt_convert.mcore_model import SUPPORTED_ARCHITECTURES, load_hf_config, mcore_model_config
-from ckpt_convert_testutil import ARCHS, TOKENS, hf_logits
+from ckpt_convert_testutil import ARCHS, TOKENS
 from safetensors.torch import load_file
 
 
@@ -50,10 +50,10 @@ def _megatron_logits(rank: int, world_size: int, path, tp: int) -> torch.Tensor 
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_gpt_model_matches_hf_logits_tp1(arch: str, tiny_ckpts: dict) -> None:
+def test_gpt_model_matches_hf_logits_tp1(arch: str, tiny_ckpts: dict, ref_logits: dict) -> None:
     from rl_core.testing.distributed import run_distributed
 
-    ref = hf_logits(tiny_ckpts[arch])
+    ref = ref_logits[arch]
     got = run_distributed(_megatron_logits, world_size=1, args=(tiny_ckpts[arch], 1))[0]
     assert got.shape == ref.shape
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
@@ -61,10 +61,10 @@ def test_gpt_model_matches_hf_logits_tp1(arch: str, tiny_ckpts: dict) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe"])
-def test_gpt_model_matches_hf_logits_tp2(arch: str, tiny_ckpts: dict) -> None:
+def test_gpt_model_matches_hf_logits_tp2(arch: str, tiny_ckpts: dict, ref_logits: dict) -> None:
     from rl_core.testing.distributed import run_distributed
 
-    ref = hf_logits(tiny_ckpts[arch])
+    ref = ref_logits[arch]
     got = run_distributed(_megatron_logits, world_size=2, args=(tiny_ckpts[arch], 2))[0]
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
 

@@ -80,14 +80,14 @@ def _megatron_load_and_save(rank: int, world_size: int, jobs: list, tp: int, pp:
     return diffs
 
 
-def _run_layout(tiny_ckpts: dict, tmp_path: Path, archs: tuple, tp: int, pp: int, ep: int,
+def _run_layout(tiny_ckpts: dict, ref_logits: dict, tmp_path: Path, archs: tuple, tp: int, pp: int, ep: int,
                 world_size: int) -> None:
     from rl_core.testing.distributed import run_distributed
 
     jobs = []
     for arch in archs:
         converted = convert_hf_to_mcore(tiny_ckpts[arch], tmp_path / f"{arch}-mcore", tp=tp, pp=pp, ep=ep)
-        jobs.append((converted, tmp_path / f"{arch}-megatron-saved", hf_logits(tiny_ckpts[arch])))
+        jobs.append((converted, tmp_path / f"{arch}-megatron-saved", ref_logits[arch]))
     diffs = run_distributed(_megatron_load_and_save, world_size=world_size, args=(jobs, tp, pp, ep))
     for rank_diffs in diffs:
         assert all(d <= 1e-5 for d in rank_diffs), dict(zip(archs, rank_diffs))
@@ -96,23 +96,23 @@ def _run_layout(tiny_ckpts: dict, tmp_path: Path, archs: tuple, tp: int, pp: int
         _assert_bit_exact(tiny_ckpts[arch], convert_mcore_to_hf(saved, tmp_path / f"{arch}-hf"))
 
 
-def test_megatron_tp1_logits_and_roundtrip(tiny_ckpts: dict, tmp_path: Path) -> None:
-    _run_layout(tiny_ckpts, tmp_path, ARCHS, tp=1, pp=1, ep=1, world_size=1)
+def test_megatron_tp1_logits_and_roundtrip(tiny_ckpts: dict, ref_logits: dict, tmp_path: Path) -> None:
+    _run_layout(tiny_ckpts, ref_logits, tmp_path, ARCHS, tp=1, pp=1, ep=1, world_size=1)
 
 
 @pytest.mark.distributed
-def test_megatron_tp2_logits_and_roundtrip(tiny_ckpts: dict, tmp_path: Path) -> None:
-    _run_layout(tiny_ckpts, tmp_path, ARCHS, tp=2, pp=1, ep=1, world_size=2)
+def test_megatron_tp2_logits_and_roundtrip(tiny_ckpts: dict, ref_logits: dict, tmp_path: Path) -> None:
+    _run_layout(tiny_ckpts, ref_logits, tmp_path, ARCHS, tp=2, pp=1, ep=1, world_size=2)
 
 
 @pytest.mark.distributed
-def test_megatron_pp2_roundtrip(tiny_ckpts: dict, tmp_path: Path) -> None:
-    _run_layout(tiny_ckpts, tmp_path, ARCHS, tp=1, pp=2, ep=1, world_size=2)
+def test_megatron_pp2_roundtrip(tiny_ckpts: dict, ref_logits: dict, tmp_path: Path) -> None:
+    _run_layout(tiny_ckpts, ref_logits, tmp_path, ARCHS, tp=1, pp=2, ep=1, world_size=2)
 
 
 @pytest.mark.distributed
-def test_megatron_ep2_logits_and_roundtrip(tiny_ckpts: dict, tmp_path: Path) -> None:
-    _run_layout(tiny_ckpts, tmp_path, MOE_ARCHS, tp=1, pp=1, ep=2, world_size=2)
+def test_megatron_ep2_logits_and_roundtrip(tiny_ckpts: dict, ref_logits: dict, tmp_path: Path) -> None:
+    _run_layout(tiny_ckpts, ref_logits, tmp_path, MOE_ARCHS, tp=1, pp=1, ep=2, world_size=2)
 
 
 def test_multi_shard_in_and_out(tmp_path: Path) -> None:
