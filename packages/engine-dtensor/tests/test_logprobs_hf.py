@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_dtensor.engine import DTensorEngine
-from engine_dtensor.testing import VOCAB, hf_reference_logprobs, make_policy, max_abs_diff
+from engine_dtensor.testing import VOCAB, grpo_batch, hf_reference_logprobs, make_policy, max_abs_diff
+from rl_core.logprobs import entropy_from_logits
+from rl_core.losses import ClippedPGLoss
 from rl_core.testing.contracts import random_token_batch
 from rl_core.testing.distributed import run_distributed
 
@@ -52,3 +54,24 @@ def test_padded_batch_matches_hf_padded_batch(ckpt) -> None:
     diff = max_abs_diff(got, ref)
     print(f"padded batch: max|engine - HF| = {diff:.2e}")
     assert diff <= 1e-6
+
+
+def _entropy_metric(rank: int, world: int, path: str, batch) -> float:
+    engine = DTensorEngine(make_policy(path, temperature=0.8, dtensor_cfg={"tensor_parallel_size": world}))
+    return engine.forward_backward(batch, ClippedPGLoss(), forward_only=True).metrics["entropy"]
+
+
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.distributed)])
+def test_entropy_metric_matches_hf(ckpt, world: int) -> None:
+    """LossInputs.entropy[t] is the entropy of p(. | <t) at temperature T (vocab-parallel under TP=2)."""
+    from transformers import AutoModelForCausalLM
+
+    batch = grpo_batch(ckpt("llama"), lengths=[5, 9, 7, 12])
+    got = run_distributed(_entropy_metric, world, args=(ckpt("llama"), batch))[0]
+    model = AutoModelForCausalLM.from_pretrained(ckpt("llama"), dtype=torch.float32).eval()
+    total = 0.0
+    with torch.no_grad():
+        for ids, mask in zip(batch.input_ids, batch.loss_mask):
+            entropy = entropy_from_logits(model(input_ids=ids[None]).logits[0, :-1].double(), temperature=0.8)
+            total += float((entropy * mask[1:].double()).sum())  # entropy[t] belongs to token t + 1
+    assert got == pytest.approx(total / batch.num_valid_tokens(), rel=1e-6)
