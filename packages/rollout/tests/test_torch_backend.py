@@ -153,3 +153,15 @@ def test_preallocated_cache_and_gqa_attention_match_transformers_defaults(tiny_c
             ids = outs["ref"].argmax(-1, keepdim=True)
             attn = torch.cat([attn, torch.ones_like(ids)], dim=-1)
     assert caches["ours"].get_seq_length() == width + 3
+
+
+def test_backends_are_found_through_the_registry(tiny_ckpt):
+    import importlib.util
+
+    from rl_core.registry import create_generation_backend
+
+    backend = create_generation_backend("torch", model_path=str(tiny_ckpt))
+    assert isinstance(backend, TorchGenerationBackend)
+    if importlib.util.find_spec("vllm") is None:  # the uv workspace: vllm is an optional extra
+        with pytest.raises(ImportError, match=r"pip install 'rollout\[vllm\]'"):
+            create_generation_backend("vllm", model_path=str(tiny_ckpt))
