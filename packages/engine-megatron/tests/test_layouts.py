@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 from megatron_testutil import (
     assert_same_run,
     by_index,
@@ -107,3 +108,18 @@ def _recompute_settings(rank: int, world_size: int, ckpt: str) -> tuple:
 def test_recompute_is_configured(tiny_ckpt) -> None:
     """The recompute runs above really recompute (megatron reads these fields in TransformerBlock)."""
     assert run_distributed(_recompute_settings, world_size=1, args=(tiny_ckpt("qwen2"),)) == [("full", "uniform", 1)]
+
+
+@pytest.mark.distributed
+def test_bf16_tracks_fp32(tiny_ckpt) -> None:
+    """policy.precision=bfloat16 (Float16Module, fp32 main params) stays within bf16 error of fp32, TP=2."""
+    ckpt = tiny_ckpt("qwen2")
+    run = run_distributed(engine_run, world_size=2,
+                          args=(ckpt, {"tensor_model_parallel_size": 2}, {"precision": "bfloat16"}))
+    ref = reference_run(ckpt)
+    logprobs = max_abs_diff(by_index(run, "before"), by_index(ref, "before"))
+    m, m_ref = run[0]["metrics"][0], ref[0]["metrics"][0]
+    assert logprobs <= 0.05 and abs(m["grad_norm"] / m_ref["grad_norm"] - 1) <= 1e-2, (logprobs, m, m_ref)
+    assert {t.dtype for t in run[0]["weights"].values()} == {torch.bfloat16}
+    logger.info("qwen2 bf16 TP=2 vs fp32: logprobs %.2e, grad norm %.4f vs %.4f", logprobs, m["grad_norm"],
+                m_ref["grad_norm"])

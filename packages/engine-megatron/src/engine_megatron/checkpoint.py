@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from engine_megatron.compat import device_context
+from engine_megatron.model import gpt_model
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 def _sharded_state(model: Any, optimizer: Any, scheduler: Any, *, is_loading: bool) -> dict[str, Any]:
-    model_sd = model.module.sharded_state_dict()
+    model_sd = gpt_model(model).sharded_state_dict()
     return {
         "model": model_sd,
         "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIMIZER_METADATA),
@@ -130,7 +131,7 @@ def load(path: str, model: Any, optimizer: Any, scheduler: Any) -> None:
                          "MegatronEngine.save_checkpoint wrote")
     with device_context():
         state = dist_checkpointing.load(_sharded_state(model, optimizer, scheduler, is_loading=True), path)
-    missing, unexpected = model.module.load_state_dict(state["model"], strict=False)
+    missing, unexpected = gpt_model(model).load_state_dict(state["model"], strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
         raise ValueError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")

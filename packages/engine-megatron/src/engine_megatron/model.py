@@ -34,6 +34,7 @@ def build_ddp_model(model_cfg: Any, ddp_overrides: dict[str, Any], ranks: Parall
         DistributedDataParallelConfig,
         finalize_model_grads,
     )
+    from megatron.core.transformer.module import Float16Module
 
     from engine_megatron.compat import device_context
 
@@ -41,13 +42,25 @@ def build_ddp_model(model_cfg: Any, ddp_overrides: dict[str, Any], ranks: Parall
         module = build_gpt_model(model_cfg, pre_process=ranks.first_stage, post_process=ranks.last_stage)
         if torch.cuda.is_available():
             module.cuda()
+        tf_config = module.config
+        if tf_config.bf16 or tf_config.fp16:
+            # megatron's mixed precision: half-precision params and activations, fp32 logits out of the
+            # last stage; the optimizer keeps fp32 main params.
+            module = Float16Module(tf_config, module)
         ddp_kwargs = dict(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True,
                           bucket_size=None)
         ddp_kwargs.update(ddp_overrides)
-        model = DistributedDataParallel(config=module.config, ddp_config=DistributedDataParallelConfig(**ddp_kwargs),
+        model = DistributedDataParallel(config=tf_config, ddp_config=DistributedDataParallelConfig(**ddp_kwargs),
                                         module=module)
     # The schedules call this after the last backward: DP (and embedding/expert) grad all-reduce.
-    module.config.finalize_model_grads_func = finalize_model_grads
+    tf_config.finalize_model_grads_func = finalize_model_grads
+    return model
+
+
+def gpt_model(model: Any) -> Any:
+    """The GPTModel inside the DDP (and Float16Module) wrappers: its names are the checkpoint's names."""
+    while hasattr(model, "module"):
+        model = model.module
     return model
 
 
@@ -79,7 +92,7 @@ def load_converted(model: Any, ckpt_dir: Path) -> None:
     """dist_checkpointing.load of a converted checkpoint into this rank's shard (any TP/PP/EP)."""
     from megatron.core import dist_checkpointing
 
-    module = model.module
+    module = gpt_model(model)
     state = dist_checkpointing.load(module.sharded_state_dict(), str(ckpt_dir))
     missing, unexpected = module.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
@@ -121,7 +134,7 @@ def export_hf_tensors(model: Any, model_cfg: Any, hf_config: Any, ranks: Paralle
     """Every full parameter under its HF name(s), one at a time, the same stream on every rank."""
     from ckpt_convert.mapping import mcore_to_hf_tensors
 
-    module = model.module
+    module = gpt_model(model)
     num_local = (getattr(module.config, "num_moe_experts", None) or 0) // max(ranks.ep_size, 1)
     local = {}
     for name, param in module.named_parameters():
