@@ -1,0 +1,93 @@
+"""Micro-batch inputs: spans, next-token targets, pipeline padding and the context-parallel data path.
+
+The model-level CP test needs a GPU (test_gpu.py); here the CP shard -> per-rank values -> all-gather ->
+per-sequence path is checked on CPU with a stand-in for the model: per-position values computed from
+the positions' own token and target, which must come back exactly as from the unsharded row.
+"""
+
+from __future__ import annotations
+
+import pytest
+import seqpack
+import torch
+from megatron_testutil import VOCAB, make_policy
+from rl_core.testing.contracts import random_token_batch
+from rl_core.testing.distributed import run_distributed
+
+from engine_megatron import batching
+from engine_megatron.config import ResolvedSettings
+
+
+def _settings(packing: bool, tp: int = 1, cp: int = 1, sp: bool = False) -> ResolvedSettings:
+    pack = 2 * cp * tp if cp * tp > 1 else 1
+    return ResolvedSettings(sequence_parallel=sp, packing=packing, pack_multiple=pack,
+                            seq_multiple=pack if cp > 1 else (tp if sp else 1), transformer_overrides={},
+                            use_cuda=False)
+
+
+def _stand_in(mb: batching.MicroBatch) -> torch.Tensor:
+    """A per-position value that depends on the token and its target, (B, S) float64."""
+    return mb.tokens.double() * 1000 + mb.targets.double()
+
+
+@pytest.mark.parametrize("packing", [False, True])
+@pytest.mark.parametrize("uniform", [False, True])
+def test_spans_and_targets_read_back_each_sequence(packing: bool, uniform: bool) -> None:
+    batch = random_token_batch(VOCAB, [5, 9, 7, 12, 3])
+    settings = _settings(packing, tp=2, sp=True)
+    plan = seqpack.plan_micro_batches(batch.lengths, max_tokens=20, packing=packing, round_to=2)
+    mbs = batching.build_micro_batches(batch, plan, settings, uniform_shape=uniform)
+    if uniform:
+        assert len({mb.shape for mb in mbs}) == 1
+    assert all(mb.shape[1] % 2 == 0 for mb in mbs), "sequence parallel needs S divisible by TP"
+    out = plan.restore([batching.per_sequence(_stand_in(mb), mb) for mb in mbs])
+    for ids, values in zip(batch.input_ids, out):
+        expected = torch.cat([torch.zeros(1, dtype=torch.float64), ids[:-1].double() * 1000 + ids[1:].double()])
+        assert torch.equal(values, expected)  # position t holds (token t-1, target t): aligned, 0 at t=0
+
+
+def test_packed_mask_is_block_causal_and_pipeline_padding_attends_itself() -> None:
+    batch = random_token_batch(VOCAB, [3, 2])
+    plan = seqpack.plan_micro_batches(batch.lengths, packing=True)
+    (mb,) = batching.build_micro_batches(batch, plan, _settings(True), uniform_shape=False)
+    allowed = ~mb.attention_mask[0, 0]  # True = may attend
+    expected = torch.zeros(5, 5, dtype=torch.bool)
+    expected[:3, :3] = torch.tril(torch.ones(3, 3, dtype=torch.bool))
+    expected[3:, 3:] = torch.tril(torch.ones(2, 2, dtype=torch.bool))
+    assert torch.equal(allowed, expected)
+    assert mb.position_ids.tolist() == [[0, 1, 2, 0, 1]]
+    padded = batching._pad_to(mb, 1, 7)
+    allowed = ~padded.attention_mask[0, 0]
+    assert torch.equal(allowed[:5, :5], expected) and allowed[5:].sum(-1).tolist() == [1, 1]
+
+
+def _cp_worker(rank: int, world_size: int) -> list[torch.Tensor]:
+    import torch.distributed as dist
+
+    batch = random_token_batch(VOCAB, [5, 9, 7, 12, 3], seed=4)
+    plan = seqpack.plan_micro_batches(batch.lengths, packing=True, round_to=2 * world_size)
+    (mb,) = batching.build_micro_batches(batch, plan, _settings(True, cp=world_size), uniform_shape=False,
+                                         cp_rank=rank, cp_size=world_size)
+    local = _stand_in(mb).requires_grad_(True)  # (1, T/CP): this rank's chunks only
+    full = batching.gather_cp(local, mb, dist.group.WORLD)
+    full.sum().backward()  # every rank holds the full row: each local value's grad is world_size
+    assert torch.equal(local.grad, torch.full_like(local, float(world_size)))
+    return plan.restore([batching.per_sequence(full.detach(), mb)])
+
+
+@pytest.mark.distributed
+def test_context_parallel_shard_and_gather_restore_every_sequence() -> None:
+    batch = random_token_batch(VOCAB, [5, 9, 7, 12, 3], seed=4)
+    for per_rank in run_distributed(_cp_worker, world_size=2):
+        for ids, values in zip(batch.input_ids, per_rank):
+            expected = torch.cat([torch.zeros(1, dtype=torch.float64), ids[:-1].double() * 1000 + ids[1:].double()])
+            assert torch.equal(values, expected)
+
+
+def test_plan_uses_the_configured_budget() -> None:
+    batch = random_token_batch(VOCAB, [5, 9, 7, 12, 3])
+    padded = batching.plan(batch, make_policy("x", train_micro_batch_size=2), _settings(False), training=True)
+    assert [len(mb) for mb in padded.micro_batches] == [2, 2, 1]
+    packed = batching.plan(batch, make_policy("x", sequence_packing={"enabled": True, "train_mb_tokens": 16}),
+                           _settings(True), training=True)
+    assert all(sum(batch.lengths[i] for i in mb) <= 16 for mb in packed.micro_batches)
