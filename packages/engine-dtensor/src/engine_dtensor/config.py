@@ -26,7 +26,7 @@ class DTensorConfig:
     cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: sharded params, grads and optimizer state on host
     precision: Precision | None = None  # None: use policy.precision
     compile: bool = False  # torch.compile each decoder layer
-    # "auto": flash_attention_2 on CUDA when flash-attn imports (varlen packing), else sdpa.
+    # "auto": flash_attention_2 on CUDA in bf16 when flash-attn imports (varlen packing), else sdpa.
     attn_implementation: AttnImplementation = "auto"
 
     def __post_init__(self) -> None:

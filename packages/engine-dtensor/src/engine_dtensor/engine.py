@@ -49,17 +49,23 @@ def init_distributed() -> torch.device:
     return torch.device("cpu")
 
 
-def resolve_attn_implementation(requested: str, device: torch.device) -> str:
-    """flash_attention_2 (varlen packing) where CUDA and flash-attn exist, else sdpa (block-diag mask)."""
+def resolve_attn_implementation(requested: str, device: torch.device, precision: str) -> str:
+    """flash_attention_2 (varlen packing) on CUDA with flash-attn and bf16, else sdpa (block-diag mask)."""
     has_flash = importlib.util.find_spec("flash_attn") is not None
-    if requested == "flash_attention_2" and not (has_flash and device.type == "cuda"):
-        raise ValueError(
-            "policy.dtensor_cfg.attn_implementation='flash_attention_2' needs CUDA and flash-attn "
-            "(pip install 'engine-dtensor[gpu]'); or set it to 'auto' or 'sdpa'"
-        )
+    if requested == "flash_attention_2":
+        if not (has_flash and device.type == "cuda"):
+            raise ValueError(
+                "policy.dtensor_cfg.attn_implementation='flash_attention_2' needs CUDA and flash-attn "
+                "(pip install 'engine-dtensor[gpu]'); or set it to 'auto' or 'sdpa'"
+            )
+        if precision != "bfloat16":
+            raise ValueError(
+                "policy.dtensor_cfg.attn_implementation='flash_attention_2' needs policy.precision='bfloat16' "
+                f"(flash-attn has no float32 kernels); got {precision!r}"
+            )
     if requested != "auto":
         return requested
-    if device.type == "cuda" and has_flash:
+    if device.type == "cuda" and has_flash and precision == "bfloat16":
         return "flash_attention_2"
     logger.info("attention: sdpa (packed sequences use a block-diagonal mask, not flash-attn varlen)")
     return "sdpa"
@@ -91,7 +97,9 @@ class DTensorEngine:
         self.dp_rank, self.dp_size = dp_mesh.get_local_rank(), self.parallel_dims.dp
         # sequence parallel splits the sequence dim over TP ranks: lengths must divide evenly
         self.seq_multiple = self.parallel_dims.tp if self.cfg.sequence_parallel else 1
-        self.attn_impl = resolve_attn_implementation(self.cfg.attn_implementation, self.device)
+        self.attn_impl = resolve_attn_implementation(
+            self.cfg.attn_implementation, self.device, self.cfg.precision
+        )
         self.model = load_hf_model(policy.model_name, self.attn_impl)
         if not self.cfg.cpu_offload:
             self.model.to(self.device)
