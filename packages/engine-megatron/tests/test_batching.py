@@ -10,12 +10,11 @@ from __future__ import annotations
 import pytest
 import seqpack
 import torch
+from engine_megatron import batching
+from engine_megatron.config import ResolvedSettings
 from megatron_testutil import VOCAB, make_policy
 from rl_core.testing.contracts import random_token_batch
 from rl_core.testing.distributed import run_distributed
-
-from engine_megatron import batching
-from engine_megatron.config import ResolvedSettings
 
 
 def _settings(packing: bool, tp: int = 1, cp: int = 1, sp: bool = False) -> ResolvedSettings:

@@ -1,0 +1,63 @@
+"""The optimizer step: a non-finite gradient skips the update; the lr follows policy.scheduler."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from megatron_testutil import LOSS, global_batch, make_policy
+from rl_core.losses import ClippedPGLoss
+from rl_core.testing.distributed import run_distributed
+
+
+def _nan_loss(inputs):
+    loss, metrics = ClippedPGLoss(LOSS)(inputs)
+    return loss * float("nan"), metrics
+
+
+def _skip(rank: int, world_size: int, ckpt: str) -> tuple[dict, bool, dict]:
+    from engine_megatron.engine import MegatronEngine
+
+    engine = MegatronEngine(make_policy(ckpt, {"tensor_model_parallel_size": world_size}))
+    batch = global_batch(0)
+    before = engine.compute_logprobs(batch)
+    batch = batch.with_fields(prev_logprobs=before)
+    skipped = engine.train_batch(batch, _nan_loss)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, engine.compute_logprobs(batch)))
+    return skipped, unchanged, engine.train_batch(batch, ClippedPGLoss(LOSS))
+
+
+@pytest.mark.distributed
+def test_non_finite_grad_norm_skips_the_step(tiny_ckpt) -> None:
+    for skipped, unchanged, after in run_distributed(_skip, world_size=2, args=(tiny_ckpt("qwen2"),)):
+        assert skipped["skipped"] == 1.0 and not math.isfinite(skipped["grad_norm"]) and unchanged
+        # the skipped step did not advance the schedule, and training goes on normally afterwards
+        assert after["skipped"] == 0.0 and math.isfinite(after["grad_norm"]) and after["lr"] == skipped["lr"]
+
+
+SCHEDULE = {"warmup_steps": 2, "decay": "cosine", "total_steps": 5, "min_lr_ratio": 0.1}
+
+
+def _lrs(rank: int, world_size: int, ckpt: str) -> list[float]:
+    from engine_megatron.engine import MegatronEngine
+
+    engine = MegatronEngine(make_policy(ckpt, scheduler=SCHEDULE))
+    batch = global_batch(0, lengths=[6, 5])
+    batch = batch.with_fields(prev_logprobs=engine.compute_logprobs(batch))
+    return [engine.train_batch(batch, ClippedPGLoss(LOSS))["lr"] for _ in range(7)]
+
+
+@pytest.mark.distributed
+def test_lr_follows_policy_scheduler(tiny_ckpt) -> None:
+    """Linear warmup from lr/warmup, then cosine to min_lr_ratio * lr at total_steps, then flat."""
+    lr, warm, total, floor = 1e-3, 2, 5, 0.1
+
+    def expected(step: int) -> float:  # written from the policy.scheduler docstring
+        if step < warm:
+            return lr * (step + 1) / warm
+        progress = min(1.0, (step - warm) / (total - warm))
+        return lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    (lrs,) = run_distributed(_lrs, world_size=1, args=(tiny_ckpt("qwen2"),))
+    assert lrs == pytest.approx([expected(s) for s in range(7)], rel=1e-12, abs=0)
