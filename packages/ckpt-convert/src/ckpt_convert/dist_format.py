@@ -213,3 +213,32 @@ class CheckpointReader:
             f.seek(info.offset)
             blob = f.read(info.length)
         return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+
+
+def drop_absent_objects(sharded_state_dict: dict, ckpt_dir: str | Path) -> list[str]:
+    """Remove the ShardedObjects (`_extra_state`) a checkpoint does not hold; return their keys.
+
+    Our checkpoints carry the local spec's `_extra_state` objects; a Transformer Engine model asks for
+    other ones (FP8 metadata of TE layers, TE attention), which must then start from their defaults."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    stored = CheckpointReader(ckpt_dir).metadata.state_dict_metadata
+    dropped = [k for k, v in sharded_state_dict.items()
+               if isinstance(v, ShardedObject) and v.unique_key not in stored]
+    for key in dropped:
+        del sharded_state_dict[key]
+    return dropped
+
+
+def load_into_model(model: torch.nn.Module, ckpt_dir: str | Path) -> None:
+    """Load a converted (or megatron-saved) checkpoint into a GPTModel of any spec and TP/PP/EP layout."""
+    from megatron.core import dist_checkpointing
+
+    sharded = model.sharded_state_dict()
+    dropped = drop_absent_objects(sharded, ckpt_dir)
+    if dropped:
+        logger.info("%d _extra_state objects are not in %s; they keep their defaults", len(dropped), ckpt_dir)
+    missing = model.load_state_dict(dist_checkpointing.load(sharded, str(ckpt_dir)), strict=False).missing_keys
+    real = [k for k in missing if not k.endswith("_extra_state")]
+    if real:
+        raise ValueError(f"checkpoint {ckpt_dir} lacks {real[:5]}; it was written for another model config")
