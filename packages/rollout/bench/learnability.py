@@ -147,13 +147,14 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=ToyRunConfig.samples_per_prompt)
     parser.add_argument("--temperature", type=float, default=ToyRunConfig.temperature)
     parser.add_argument("--stop-bonus", type=float, default=ToyRunConfig.stop_bonus)
+    parser.add_argument("--seed", type=int, default=ToyRunConfig.seed)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logger.setLevel(logging.DEBUG)
     result = run_grpo(ToyRunConfig(max_steps=args.steps, max_seconds=args.seconds, lr=args.lr,
                                    prompts_per_step=args.prompts, samples_per_prompt=args.samples,
-                                   temperature=args.temperature, stop_bonus=args.stop_bonus))
+                                   temperature=args.temperature, stop_bonus=args.stop_bonus, seed=args.seed))
     print("step  seconds  val_reward")
     for step, seconds, reward in result.curve:
         print(f"{step:4d}  {seconds:7.1f}  {reward:.3f}")

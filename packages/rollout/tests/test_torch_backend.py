@@ -165,3 +165,30 @@ def test_backends_are_found_through_the_registry(tiny_ckpt):
     if importlib.util.find_spec("vllm") is None:  # the uv workspace: vllm is an optional extra
         with pytest.raises(ImportError, match=r"pip install 'rollout\[vllm\]'"):
             create_generation_backend("vllm", model_path=str(tiny_ckpt))
+
+
+def test_vllm_refit_checks_names_and_shapes_against_the_checkpoint(tiny_ckpt):
+    """The vLLM backend's strict refit check (runs without vLLM: headers of the safetensors only)."""
+    from rollout.vllm_backend import check_named_tensors, checkpoint_shapes
+
+    shapes = checkpoint_shapes(str(tiny_ckpt))
+    weights = load_file(tiny_ckpt / "model.safetensors")
+    assert shapes == {name: tuple(t.shape) for name, t in weights.items()}
+    assert len(check_named_tensors(weights.items(), shapes, "ckpt")) == len(weights)
+    with pytest.raises(ValueError, match="'model.bogus.weight' is not a weight of ckpt"):
+        check_named_tensors([("model.bogus.weight", torch.zeros(1))], shapes, "ckpt")
+    with pytest.raises(ValueError, match=r"'lm_head.weight' has shape \(2, 2\); the model expects \(128, 128\)"):
+        check_named_tensors([("lm_head.weight", torch.zeros(2, 2))], shapes, "ckpt")
+
+
+@pytest.mark.gpu
+def test_greedy_equals_hf_generate_on_cuda(tiny_ckpt, prompts, hf_ref):
+    backend = TorchGenerationBackend(str(tiny_ckpt), device="cuda")
+    hf = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
+    out = backend.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=16))
+    assert [c.token_ids for c in out] == [hf_ref.greedy(hf, p, 16) for p in prompts]
+    backend.sleep(level=1)
+    assert next(backend.model.parameters()).device.type == "cpu"
+    backend.wake()
+    assert [c.token_ids for c in backend.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=16))] == \
+        [c.token_ids for c in out]

@@ -90,3 +90,28 @@ def test_update_weights_equals_backend_built_from_new_weights(backend, tiny_ckpt
     assert [c.token_ids for c in after_greedy] == [c.token_ids for c in expected_greedy]
     assert [c.token_ids for c in after] != [c.token_ids for c in before]
     assert [c.token_ids for c in restored] == [c.token_ids for c in before]
+
+
+def test_update_weights_is_strict(backend):
+    with pytest.raises(ValueError, match="'model.bogus.weight' is not a weight"):
+        backend.update_weights([("model.bogus.weight", torch.zeros(1))])
+
+
+@pytest.mark.gpu
+def test_sleep_mode_keeps_weights_and_refits_on_gpu(tiny_ckpt, tiny_ckpt_other, prompts):
+    """Sleep level 1 offloads and restores the weights; refit after wake equals a fresh engine (GPU only)."""
+    from rollout.vllm_backend import VLLMGenerationBackend
+
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
+    engine = VLLMGenerationBackend(str(tiny_ckpt), dtype="float32", enable_sleep_mode=True,
+                                   gpu_memory_utilization=0.2, max_model_len=256)
+    before = engine.generate(prompts, greedy)
+    engine.sleep(level=1)
+    engine.wake()
+    assert [c.token_ids for c in engine.generate(prompts, greedy)] == [c.token_ids for c in before]
+    engine.update_weights(load_file(tiny_ckpt_other / "model.safetensors").items())
+    after = engine.generate(prompts, greedy)
+    del engine
+    gc.collect()
+    fresh = VLLMGenerationBackend(str(tiny_ckpt_other), dtype="float32", gpu_memory_utilization=0.2, max_model_len=256)
+    assert [c.token_ids for c in after] == [c.token_ids for c in fresh.generate(prompts, greedy)]

@@ -44,6 +44,33 @@ def _import_vllm() -> Any:
     return vllm
 
 
+def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every tensor in the checkpoint's safetensors files (headers only)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+def check_named_tensors(named_tensors: Iterable[tuple[str, Tensor]], shapes: dict[str, tuple[int, ...]],
+                        model_path: str) -> list[tuple[str, Tensor]]:
+    """The refit tensors on CPU, after checking names and shapes against the checkpoint (ValueError)."""
+    checked = []
+    for name, tensor in named_tensors:
+        if shapes and name not in shapes:
+            raise ValueError(f"update_weights: {name!r} is not a weight of {model_path}; expected Hugging Face "
+                             f"names such as {next(iter(shapes))!r}")
+        if shapes and tuple(tensor.shape) != shapes[name]:
+            raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}; the model expects "
+                             f"{shapes[name]}")
+        checked.append((name, tensor.detach().cpu().contiguous()))
+    return checked
+
+
 def _in_process() -> bool:
     return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
 
@@ -97,6 +124,7 @@ class VLLMGenerationBackend:
             **llm_kwargs,
         )
         self._warned_truncated = False
+        self._shapes = checkpoint_shapes(self.model_path)  # for strict refit checks; empty for .bin checkpoints
         logger.info("vllm generation backend: %s (tp=%d, refit via %s)", self.model_path, tensor_parallel_size,
                     self._refit)
 
@@ -138,16 +166,19 @@ class VLLMGenerationBackend:
         return completions
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
-        """Reload Hugging Face-named weights in place (reload_weights), then drop the prefix cache."""
+        """Reload Hugging Face-named weights in place (reload_weights), then drop the prefix cache.
+
+        Strict: every name and shape is checked against the checkpoint before anything is loaded.
+        """
+        weights = check_named_tensors(named_tensors, self._shapes, self.model_path)
         if self._refit == "tensors":
-            weights = [(name, t.detach().cpu().contiguous()) for name, t in named_tensors]
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         else:
-            path = self._write_refit_dir(named_tensors)
+            path = self._write_refit_dir(weights)
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
         self.llm.reset_prefix_cache()
 
-    def _write_refit_dir(self, named_tensors: Iterable[tuple[str, Tensor]]) -> str:
+    def _write_refit_dir(self, named_tensors: list[tuple[str, Tensor]]) -> str:
         """Safetensors + config in a shared-memory directory every worker process can read."""
         from safetensors.torch import save_file
 
@@ -159,7 +190,7 @@ class VLLMGenerationBackend:
                     shutil.copy(Path(self.model_path) / name, self._refit_dir)
             index = Path(self._refit_dir) / "model.safetensors.index.json"
             index.unlink(missing_ok=True)  # the refit file is one shard
-        tensors = {name: t.detach().cpu().contiguous() for name, t in named_tensors}
+        tensors = dict(named_tensors)
         save_file(tensors, str(Path(self._refit_dir) / "model.safetensors"))
         return self._refit_dir
 
