@@ -104,7 +104,13 @@ def _contract(rank: int, world: int, path: str, overrides: dict, shared_dir: str
 @pytest.mark.parametrize(
     ("world", "overrides"),
     [
-        (1, {"sequence_packing": {"enabled": True, "train_mb_tokens": 24}}),
+        (
+            1,
+            {
+                "sequence_packing": {"enabled": True, "train_mb_tokens": 24},
+                "dtensor_cfg": {"activation_checkpointing": True},  # wrapped layers: names and DCP keys
+            },
+        ),
         pytest.param(
             2,
             {"dtensor_cfg": {"tensor_parallel_size": 2, "sequence_parallel": True}},
@@ -112,7 +118,7 @@ def _contract(rank: int, world: int, path: str, overrides: dict, shared_dir: str
         ),
         pytest.param(2, {"train_micro_batch_size": 1}, marks=pytest.mark.distributed),
     ],
-    ids=["1rank-packed", "tp2-sp", "dp2"],
+    ids=["1rank-packed-ac", "tp2-sp", "dp2"],
 )
 def test_training_engine_contract(ckpt, tmp_path, world: int, overrides: dict) -> None:
     run_distributed(_contract, world, args=(ckpt("qwen3"), overrides, str(tmp_path)))
@@ -143,3 +149,23 @@ def test_moe_export_uses_checkpoint_names(ckpt, tmp_path) -> None:
                 :, 0
             ]
             assert (lp[1:] - ref).abs().max() <= 1e-6
+
+
+def _save_or_load(rank: int, world: int, path: str, batch, ckpt_dir: str, save: bool) -> dict | None:
+    engine = DTensorEngine(make_policy(path))
+    if save:
+        engine.train_batch(batch.select(list(range(rank, len(batch), world))), ClippedPGLoss())
+        engine.save_checkpoint(ckpt_dir)
+    else:
+        engine.load_checkpoint(ckpt_dir)
+    weights = dict(engine.export_hf_weights())
+    return weights if rank == 0 else None
+
+
+@pytest.mark.distributed
+def test_checkpoint_reshards_from_two_ranks_to_one(ckpt, tmp_path) -> None:
+    path, ckpt_dir = ckpt("llama"), str(tmp_path / "ckpt")
+    batch = grpo_batch(path, lengths=[5, 9, 7, 12])
+    saved = run_distributed(_save_or_load, 2, args=(path, batch, ckpt_dir, True))[0]
+    loaded = run_distributed(_save_or_load, 1, args=(path, batch, ckpt_dir, False))[0]
+    assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)

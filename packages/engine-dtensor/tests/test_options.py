@@ -25,7 +25,8 @@ def _grads(rank: int, world: int, path: str, batch, overrides: dict) -> tuple:
     step = engine.optimizer_step()
     dtypes = {p.dtype for p in engine.model.parameters()}
     recomputed = any("_checkpoint_wrapped_module" in name for name, _ in engine.model.named_parameters())
-    return logprobs, grads, result.loss, step, dtypes, recomputed
+    names = sorted(name for name, _ in engine.export_hf_weights())
+    return logprobs, grads, result.loss, step, dtypes, recomputed, names
 
 
 def test_activation_checkpointing_and_cpu_offload_change_nothing(ckpt) -> None:
@@ -34,6 +35,7 @@ def test_activation_checkpointing_and_cpu_offload_change_nothing(ckpt) -> None:
     for cfg in ({"activation_checkpointing": True}, {"cpu_offload": True}):
         got = run_distributed(_grads, 1, args=(ckpt("llama"), batch, {"dtensor_cfg": cfg}))[0]
         assert got[5] == cfg.get("activation_checkpointing", False)  # the layers really are wrapped
+        assert got[6] == ref[6]  # exported under HF names all the same
         lp_diff, grad_diff = assert_layout_close(got[0], ref[0]), assert_layout_close(got[1], ref[1])
         print(f"{cfg}: max|dlogprob| = {lp_diff:.2e}, max|dgrad| = {grad_diff:.2e}")
 
