@@ -16,7 +16,7 @@ def _load_hf_weights(path) -> dict:
     return out
 
 
-def _megatron_logits(rank: int, world_size: int, path, tp: int) -> torch.Tensor | None:
+def _megatron_logits(rank: int, world_size: int, path, tp: int, sequence_parallel: bool = False) -> torch.Tensor | None:
     """Build the GPTModel at TP=tp, copy HF weights in through the mapping, return full-vocab logits."""
     from ckpt_convert.mapping import canonical_name, hf_to_mcore_tensor, split_tp_shard
     from ckpt_convert.mcore_model import build_gpt_model
@@ -29,8 +29,10 @@ def _megatron_logits(rank: int, world_size: int, path, tp: int) -> torch.Tensor 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     try:
         model_parallel_cuda_manual_seed(0)
-        cfg = mcore_model_config(load_hf_config(path), tp=tp)
-        model = build_gpt_model(cfg).eval()  # eval: MoE+TP without SP is refused in training mode
+        cfg = mcore_model_config(load_hf_config(path), tp=tp, sequence_parallel=sequence_parallel)
+        model = build_gpt_model(cfg)
+        if not sequence_parallel:
+            model.eval()  # megatron refuses MoE + TP without SP in training mode
         hf = _load_hf_weights(path)
         state = {}
         for name, param in model.state_dict().items():
@@ -67,6 +69,15 @@ def test_gpt_model_matches_hf_logits_tp2(arch: str, tiny_ckpts: dict, ref_logits
     ref = ref_logits[arch]
     got = run_distributed(_megatron_logits, world_size=2, args=(tiny_ckpts[arch], 2))[0]
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+
+
+@pytest.mark.distributed
+def test_sequence_parallel_moe_training_mode_matches_hf(tiny_ckpts: dict, ref_logits: dict) -> None:
+    """TP=2 + sequence parallel (the MoE training setup; uses the CPU norm patch) still gives the HF logits."""
+    from rl_core.testing.distributed import run_distributed
+
+    got = run_distributed(_megatron_logits, world_size=2, args=(tiny_ckpts["qwen3_moe"], 2, True))[0]
+    torch.testing.assert_close(got, ref_logits["qwen3_moe"], rtol=0, atol=1e-5)
 
 
 def test_unknown_architecture_lists_supported(tmp_path) -> None:

@@ -17,6 +17,7 @@ import io
 import json
 import logging
 import re
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,7 +141,9 @@ def write_checkpoint(out_dir: Path, chunks: list[Chunk],
     """Write a megatron torch_dist checkpoint into the existing, empty `out_dir`, chunk by chunk."""
     planner = _LazyPlanner(chunks, resolve)
     try:
-        dcp.save({}, storage_writer=_GroupedFileWriter(out_dir, planner), planner=planner, no_dist=True)
+        with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": single process on purpose
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save({}, storage_writer=_GroupedFileWriter(out_dir, planner), planner=planner, no_dist=True)
     except CheckpointException as err:
         # DCP wraps errors per rank as (exception, traceback); surface ours (e.g. a ValueError naming a
         # tensor) instead of the wrapper.
