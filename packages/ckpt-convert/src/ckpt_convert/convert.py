@@ -134,12 +134,12 @@ def _plan_chunks(cfg: MCoreModelConfig, source: HFSource, dtype: torch.dtype) ->
 def convert_hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tp: int = 1, pp: int = 1,
                         ep: int = 1, dtype: str = "fp32") -> Path:
     """Convert an HF checkpoint to a megatron-core torch_dist checkpoint (+ ckpt_convert.json)."""
-    start = time.perf_counter()
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; choose one of {sorted(DTYPES)}")
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     hf_config = load_hf_config(hf_dir)
     cfg = mcore_model_config(hf_config, tp=tp, pp=pp, ep=ep, params_dtype=DTYPES[dtype])
+    start = time.perf_counter()  # after the config: the first megatron import is not conversion time
     source = HFSource(hf_dir)
     chunks, name_of = _plan_chunks(cfg, source, DTYPES[dtype])
     progress = tqdm(total=len(chunks), desc="hf2mcore", unit="tensor", disable=None)
@@ -189,11 +189,11 @@ def _checkpoint_source(reader: CheckpointReader, name: str, tc: Any) -> tuple[st
 def convert_mcore_to_hf(mcore_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                         max_shard_bytes: int = 2 * 2**30) -> Path:
     """Convert a megatron torch_dist checkpoint (ours, or megatron-saved at any TP/PP/EP) back to HF."""
-    start = time.perf_counter()
     mcore_dir, out_dir = Path(mcore_dir), Path(out_dir)
     reader = CheckpointReader(mcore_dir)
     hf_config, cfg = load_model_config(
         mcore_dir, vocab_size=reader.global_shape("embedding.word_embeddings.weight")[0])
+    start = time.perf_counter()
     tc = cfg.transformer_config
     names = mcore_names(cfg)
     sources = [_checkpoint_source(reader, name, tc) for name in names]
