@@ -3,36 +3,41 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from grpo_app.checkpoint import CheckpointManager
 from grpo_app.cluster import Workers, start_ray
 from grpo_app.config import GRPOConfig
 from grpo_app.loop import Run
 from grpo_app.metrics_sink import MetricsSink
-from grpo_app.prompts import PromptSource, tokenize_records
+from grpo_app.prompts import PromptSource
 from rl_core.losses import ClippedPGLoss
+from rollout.datasets import PromptExample, build_examples, load_prompt_dataset
+from rollout.environments import toy_prompts
 
 logger = logging.getLogger(__name__)
 
 
-def load_records(cfg: GRPOConfig, split: str) -> list[dict]:
-    """Prompt records from env.{train,val}_data files, else from the environment's own generator."""
-    from rollout import environment_prompts, load_prompt_records
-
-    path = cfg.env.train_data if split == "train" else cfg.env.val_data
+def load_prompts(cfg: GRPOConfig, tokenizer: Any, split: str) -> list[PromptExample]:
+    """Prompts from env.{train,val}_data files, else from the built-in task's generator."""
+    env = cfg.env
+    path = env.train_data if split == "train" else env.val_data
+    render = {"prompt_key": env.prompt_key, "apply_chat_template": env.use_chat_template,
+              "system_prompt": env.system_prompt}
     if path is not None:
-        return load_prompt_records(path)
-    n = cfg.grpo.num_val_prompts if split == "val" else None
-    return environment_prompts(cfg.env.name, split=split, num=n, seed=cfg.grpo.seed, **cfg.env.kwargs)
+        return load_prompt_dataset(path, tokenizer, **render)
+    num = env.num_generated_train_prompts if split == "train" else cfg.grpo.num_val_prompts
+    records = toy_prompts(env.name, num, split="train" if split == "train" else "validation", seed=cfg.grpo.seed,
+                          **env.prompt_kwargs)
+    return build_examples(records, tokenizer, **render)
 
 
 def build_run(cfg: GRPOConfig) -> Run:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.policy.model_name)
-    chat = cfg.env.use_chat_template
-    train_items = tokenize_records(load_records(cfg, "train"), tokenizer, use_chat_template=chat)
-    val_items = tokenize_records(load_records(cfg, "val"), tokenizer, use_chat_template=chat)
+    train_items = load_prompts(cfg, tokenizer, "train")
+    val_items = load_prompts(cfg, tokenizer, "val")
     if not val_items and cfg.grpo.val_every:
         raise ValueError("the validation prompt set is empty: set env.val_data or grpo.val_every=0")
     checkpoints = None

@@ -28,6 +28,9 @@ def start_ray(cfg: GRPOConfig) -> None:
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # Under `uv run`, Ray would rebuild the workspace in a fresh venv per worker; the driver's venv is
+    # already the right environment for every worker on this machine.
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     if cfg.cluster.address:
         logger.info("joining Ray cluster at %s", cfg.cluster.address)
         ray.init(address=cfg.cluster.address, log_to_driver=True)
@@ -64,7 +67,8 @@ class Workers:
                                                         cfg.generation.backend_kwargs, num_threads=threads)
             for _ in range(cfg.generation.num_workers)
         ]
-        self.rewarders = [RewardWorker.options(num_cpus=0).remote(cfg.env.name, cfg.env.kwargs)]
+        self.rewarders = [RewardWorker.options(num_cpus=0).remote(cfg.env.name, cfg.env.kwargs)
+                          for _ in range(cfg.env.num_workers)]
         self.dp_layout = ray.get([w.layout.remote() for w in self.policy])  # (dp_rank, dp_size) per rank
         self.dp_size = self.dp_layout[0][1]
         host, port = "127.0.0.1" if not cfg.cluster.address else master[0], free_port()

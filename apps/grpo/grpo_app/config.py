@@ -64,13 +64,19 @@ class GenerationConfig:
 
 @dataclass(kw_only=True)
 class EnvConfig:
-    """`env.*`: the reward environment and its prompts."""
+    """`env.*`: the reward environment (rollout.environments) and its prompts."""
 
-    name: str = "toy"
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    train_data: str | None = None  # JSONL/Parquet of prompts; None: the environment's own prompts
+    name: str = "repeat_char"
+    kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the environment
+    num_workers: int = 1  # reward worker actors (each with its own scoring subprocess pool)
+    # Prompts: local JSONL/Parquet files, or (for a built-in task, when unset) the task's own generator.
+    train_data: str | None = None
     val_data: str | None = None
+    prompt_key: str = "prompt"
     use_chat_template: bool = False
+    system_prompt: str | None = None
+    num_generated_train_prompts: int = 4096
+    prompt_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the built-in prompt generator
 
 
 @dataclass(kw_only=True)

@@ -20,12 +20,13 @@ from grpo_app.checkpoint import CheckpointManager
 from grpo_app.cluster import Workers
 from grpo_app.config import GRPOConfig
 from grpo_app.metrics_sink import MetricsSink
-from grpo_app.prompts import PromptItem, PromptSource
+from grpo_app.prompts import PromptSource
 from rl_core.advantages import grpo_advantages
 from rl_core.batch import TokenBatch
 from rl_core.filters import dynamic_sampling_keep
 from rl_core.interfaces import Completion, RewardRequest, SamplingParams
 from rl_core.losses import ClippedPGLoss
+from rollout.datasets import PromptExample
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class Run:
     workers: Workers
     tokenizer: Any
     train_prompts: PromptSource
-    val_prompts: list[PromptItem]
+    val_prompts: list[PromptExample]
     sink: MetricsSink
     checkpoints: CheckpointManager | None
     loss_fn: ClippedPGLoss
@@ -62,12 +63,12 @@ def sampling_params(cfg: GRPOConfig, step: int, *, n: int, greedy: bool = False)
                           stop_token_ids=[], seed=cfg.grpo.seed * 1_000_003 + step)
 
 
-def rollout(run: Run, prompts: list[PromptItem], params: SamplingParams, timer: PhaseTimer):
+def rollout(run: Run, prompts: list[PromptExample], params: SamplingParams, timer: PhaseTimer):
     """Generate `params.n` completions per prompt and score them; returns completions, rewards, results."""
     with timer("generate"):
-        completions = run.workers.generate([p.token_ids for p in prompts], params)
+        completions = run.workers.generate([p.prompt_token_ids for p in prompts], params)
     with timer("reward"):
-        requests = [RewardRequest(prompt=prompts[c.prompt_index].text, metadata=prompts[c.prompt_index].metadata,
+        requests = [RewardRequest(prompt=prompts[c.prompt_index].prompt, metadata=prompts[c.prompt_index].metadata,
                                   completion=run.tokenizer.decode(c.token_ids, skip_special_tokens=True))
                     for c in completions]
         results = run.workers.score(requests)
@@ -75,12 +76,12 @@ def rollout(run: Run, prompts: list[PromptItem], params: SamplingParams, timer: 
     return completions, rewards, results
 
 
-def build_batch(prompts: list[PromptItem], completions: list[Completion], advantages: torch.Tensor,
+def build_batch(prompts: list[PromptExample], completions: list[Completion], advantages: torch.Tensor,
                 overlong_filtering: bool) -> TokenBatch:
     """Prompt + completion token rows; loss on completion tokens; sampler logprobs aligned to tokens."""
     input_ids, loss_mask, adv, gen = [], [], [], []
     for c, a in zip(completions, advantages.tolist()):
-        prompt = prompts[c.prompt_index].token_ids
+        prompt = prompts[c.prompt_index].prompt_token_ids
         n_prompt, n_total = len(prompt), len(prompt) + len(c.token_ids)
         input_ids.append(torch.tensor(prompt + c.token_ids, dtype=torch.long))
         mask = torch.zeros(n_total)

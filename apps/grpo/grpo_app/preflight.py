@@ -46,12 +46,20 @@ def preflight(cfg: GRPOConfig) -> GRPOConfig:
     if validate is not None:
         validate(cfg.policy)
     GENERATION_BACKENDS.get(cfg.generation.backend, config_key="generation.backend")
-    from rollout import available_environments
+    from rollout.environments import environment_names, toy_prompts
 
-    if cfg.env.name not in available_environments():
-        raise ConfigError(f"env.name={cfg.env.name!r} is not known; choose one of {available_environments()}")
+    if cfg.env.name not in environment_names():
+        raise ConfigError(f"env.name={cfg.env.name!r} is not known; choose one of {environment_names()}")
     for key in ("train_data", "val_data"):
         path = getattr(cfg.env, key)
         if path is not None and not Path(path).is_file():
-            raise ConfigError(f"env.{key}={path!r} does not exist")
+            raise ConfigError(f"env.{key}={path!r} does not exist (a local .jsonl or .parquet file)")
+    if cfg.env.train_data is None or (cfg.env.val_data is None and cfg.grpo.val_every):
+        try:
+            toy_prompts(cfg.env.name, 1, **cfg.env.prompt_kwargs)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(
+                f"env.name={cfg.env.name!r} has no built-in prompts ({exc}); set env.train_data and env.val_data "
+                "to local prompt files"
+            ) from exc
     return cfg

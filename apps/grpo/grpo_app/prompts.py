@@ -1,42 +1,20 @@
-"""Prompt streams for the loop: tokenised once, shuffled per epoch from a seed, resumable.
+"""Prompt streams for the loop: endless epochs over tokenised prompts, shuffled from a seed, resumable.
 
-Records are dicts with `prompt` (text) or `messages` (chat), plus any metadata the environment needs
-(an `answer`, say). They come from local JSONL/Parquet files (rollout.datasets) or from the
-environment's own generator (the built-in tasks).
+The prompts themselves (rendering, chat templates, tokenisation, metadata) are rollout.datasets'
+`PromptExample`s, from local files or the built-in tasks' generators.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
-from typing import Any
 
-
-@dataclass
-class PromptItem:
-    text: str
-    token_ids: list[int]
-    metadata: dict[str, Any] = field(default_factory=dict)
-
-
-def tokenize_records(records: list[dict[str, Any]], tokenizer: Any, *, use_chat_template: bool) -> list[PromptItem]:
-    items = []
-    for record in records:
-        metadata = {k: v for k, v in record.items() if k not in ("prompt", "messages")}
-        if use_chat_template:
-            messages = record.get("messages") or [{"role": "user", "content": record["prompt"]}]
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        else:
-            text = record["prompt"]
-        items.append(PromptItem(text=text, token_ids=tokenizer(text, add_special_tokens=False)["input_ids"],
-                                metadata=metadata))
-    return items
+from rollout.datasets import PromptExample
 
 
 class PromptSource:
     """Endless epochs over the items, each epoch in a seeded random order."""
 
-    def __init__(self, items: list[PromptItem], seed: int) -> None:
+    def __init__(self, items: list[PromptExample], seed: int) -> None:
         if not items:
             raise ValueError("the prompt dataset is empty: check env.train_data or the environment's prompts")
         self.items, self.seed = items, seed
@@ -48,7 +26,7 @@ class PromptSource:
         random.Random(self.seed * 7919 + self.epoch).shuffle(order)
         return order
 
-    def next_batch(self, n: int) -> list[PromptItem]:
+    def next_batch(self, n: int) -> list[PromptExample]:
         out = []
         while len(out) < n:
             if self.position == len(self._order):

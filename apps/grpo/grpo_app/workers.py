@@ -121,7 +121,7 @@ class RewardWorker:
     """An `Environment`; it runs untrusted scoring in its own subprocess pool with time limits."""
 
     def __init__(self, name: str, kwargs: dict[str, Any]) -> None:
-        from rollout import create_environment
+        from rollout.environments import create_environment
 
         _setup_process(1)
         self.env = create_environment(name, **kwargs)

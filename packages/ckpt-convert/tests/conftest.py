@@ -14,8 +14,9 @@ import megatron.core.dist_checkpointing  # noqa: E402, F401
 # Import megatron (3-4 s) and apply the CPU patches once in the parent: run_distributed forks workers
 # that inherit both instead of paying the import per test.
 import megatron.core.models.gpt  # noqa: E402, F401
-from ckpt_convert.megatron_cpu import ensure_cpu_compat  # noqa: E402
 from ckpt_convert_testutil import ARCHS  # noqa: E402
+
+from ckpt_convert.megatron_cpu import ensure_cpu_compat  # noqa: E402
 
 ensure_cpu_compat()
 

@@ -8,9 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file, save_file
+
 from ckpt_convert.cli import main
 from ckpt_convert.convert import convert_hf_to_mcore, convert_mcore_to_hf
-from safetensors.torch import load_file, save_file
 
 
 def _copy(src: Path, dst: Path) -> Path:

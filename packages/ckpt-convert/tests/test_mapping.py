@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ckpt_convert_testutil import ARCHS
+from safetensors.torch import load_file
+
 from ckpt_convert.mapping import (
     canonical_name,
     hf_to_mcore_tensors,
@@ -14,8 +17,6 @@ from ckpt_convert.mapping import (
     split_tp_shard,
 )
 from ckpt_convert.mcore_model import load_hf_config, mcore_model_config
-from ckpt_convert_testutil import ARCHS
-from safetensors.torch import load_file
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -62,10 +63,11 @@ def _export_like_the_engine(rank: int, world_size: int, path, tp: int, ep: int) 
     import re
 
     import torch.distributed as dist
-    from ckpt_convert.mapping import hf_to_mcore_tensor
-    from ckpt_convert.mcore_model import build_gpt_model
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from ckpt_convert.mapping import hf_to_mcore_tensor
+    from ckpt_convert.mcore_model import build_gpt_model
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
     try:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ckpt_convert.mcore_model import SUPPORTED_ARCHITECTURES, load_hf_config, mcore_model_config
 from ckpt_convert_testutil import ARCHS, TOKENS, hf_logits
 from safetensors.torch import load_file
+
+from ckpt_convert.mcore_model import SUPPORTED_ARCHITECTURES, load_hf_config, mcore_model_config
 
 
 def _load_hf_weights(path) -> dict:
@@ -18,13 +19,14 @@ def _load_hf_weights(path) -> dict:
 
 def _megatron_logits(rank: int, world_size: int, path, tp: int, sequence_parallel: bool = False) -> torch.Tensor | None:
     """Build the GPTModel at TP=tp, copy HF weights in through the mapping, return full-vocab logits."""
-    from ckpt_convert.mapping import canonical_name, hf_to_mcore_tensor, split_tp_shard
-    from ckpt_convert.mcore_model import build_gpt_model
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import (
         gather_from_tensor_model_parallel_region,
         model_parallel_cuda_manual_seed,
     )
+
+    from ckpt_convert.mapping import canonical_name, hf_to_mcore_tensor, split_tp_shard
+    from ckpt_convert.mcore_model import build_gpt_model
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     try:

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from ckpt_convert.convert import CONFIG_NAME, convert_hf_to_mcore, convert_mcore_to_hf
 from ckpt_convert_testutil import ARCHS, MOE_ARCHS, TOKENS, hf_logits
 from safetensors.torch import load_file
+
+from ckpt_convert.convert import CONFIG_NAME, convert_hf_to_mcore, convert_mcore_to_hf
 
 
 def _hf_tensors(path: Path) -> dict:
@@ -44,15 +45,16 @@ def _megatron_load_and_save(rank: int, world_size: int, jobs: list, tp: int, pp:
     """For each (converted dir, save dir, HF logits): load into a GPTModel at tp/pp/ep with megatron's
     dist_checkpointing, return max |logits - HF| (pp=1 only), then save it again with megatron."""
     import torch.distributed as dist
-    from ckpt_convert.convert import load_model_config
-    from ckpt_convert.dist_format import load_into_model
-    from ckpt_convert.mcore_model import build_gpt_model
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import (
         gather_from_tensor_model_parallel_region,
         model_parallel_cuda_manual_seed,
     )
+
+    from ckpt_convert.convert import load_model_config
+    from ckpt_convert.dist_format import load_into_model
+    from ckpt_convert.mcore_model import build_gpt_model
 
     diffs = []
     for converted, save_dir, ref_logits in jobs:
@@ -135,11 +137,12 @@ def test_multi_shard_in_and_out(tmp_path: Path) -> None:
 
 
 def _fake_extra_state_is_dropped(rank: int, world_size: int, converted: Path) -> list:
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
     from ckpt_convert.convert import load_model_config
     from ckpt_convert.dist_format import drop_absent_objects
     from ckpt_convert.mcore_model import build_gpt_model
-    from megatron.core import parallel_state as ps
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     ps.initialize_model_parallel()
     try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+
 from rl_core.testing.tiny_models import cached_tiny_checkpoint
 
 

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import pytest
 import torch
+
 from engine_dtensor.engine import DTensorEngine
 from engine_dtensor.testing import VOCAB, grpo_batch, make_policy, max_abs_diff
 from rl_core.losses import ClippedPGLoss
-from rl_core.testing import contracts
 from rl_core.testing.contracts import check_training_engine
 from rl_core.testing.distributed import run_distributed
 
@@ -95,10 +94,7 @@ def test_exported_weights_give_identical_hf_logits(ckpt, tmp_path) -> None:
 
 
 def _contract(rank: int, world: int, path: str, overrides: dict, shared_dir: str) -> None:
-    # The contract makes its checkpoint dir with tempfile.TemporaryDirectory(), a different random name
-    # on every rank; DCP needs one path on all ranks, so the ranks share one dir here (see README).
-    contracts.tempfile.TemporaryDirectory = lambda: contextlib.nullcontext(shared_dir)
-    check_training_engine(lambda: DTensorEngine(make_policy(path, **overrides)), VOCAB)
+    check_training_engine(lambda: DTensorEngine(make_policy(path, **overrides)), VOCAB, checkpoint_dir=shared_dir)
 
 
 @pytest.mark.parametrize(

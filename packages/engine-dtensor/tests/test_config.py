@@ -6,8 +6,9 @@ import math
 
 import pytest
 import torch
+
 from engine_dtensor.config import DTensorConfig
-from engine_dtensor.optim import build_optimizer, build_scheduler, lr_factor
+from engine_dtensor.optim import build_optimizer, build_scheduler
 from engine_dtensor.parallel_dims import ParallelDims
 from engine_dtensor.testing import make_policy
 from rl_core.config import ConfigError, SchedulerConfig
@@ -79,4 +80,4 @@ def test_lr_schedule_against_closed_form(decay: str) -> None:
     else:
         tail = [2.0 * (0.1 + 0.9 * (1 - p)) for p in progress]
     assert seen == pytest.approx(warm + tail, abs=1e-12)
-    assert lr_factor(100, cfg) == pytest.approx(1.0 if decay == "constant" else 0.1)
+    assert cfg.lr_factor(100) == pytest.approx(1.0 if decay == "constant" else 0.1)

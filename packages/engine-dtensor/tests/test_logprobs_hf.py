@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from engine_dtensor.engine import DTensorEngine
 from engine_dtensor.testing import VOCAB, grpo_batch, hf_reference_logprobs, make_policy, max_abs_diff
 from rl_core.logprobs import entropy_from_logits

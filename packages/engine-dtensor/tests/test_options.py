@@ -8,6 +8,7 @@ import multiprocessing as mp
 
 import pytest
 import torch
+
 from engine_dtensor.engine import DTensorEngine
 from engine_dtensor.testing import assert_layout_close, full_grads, grpo_batch, make_policy, max_abs_diff
 from rl_core.losses import ClippedPGLoss

@@ -7,6 +7,7 @@ same whatever the micro-batch size, token budget or packing, because the loss us
 from __future__ import annotations
 
 import pytest
+
 from engine_dtensor.engine import DTensorEngine
 from engine_dtensor.testing import assert_layout_close, full_grads, grpo_batch, make_policy, max_abs_diff
 from rl_core.losses import ClippedPGLoss, LossConfig

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
+
 from engine_dtensor.engine import DTensorEngine
 from engine_dtensor.forward import build_padded_inputs, forward_logprobs
 from engine_dtensor.testing import assert_layout_close, full_grads, grpo_batch, make_policy, max_abs_diff
 from rl_core.losses import ClippedPGLoss
 from rl_core.testing.distributed import run_distributed
-from torch.distributed.tensor import DTensor
 
 pytestmark = pytest.mark.distributed
 

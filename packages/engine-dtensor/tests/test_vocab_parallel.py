@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+
 from engine_dtensor.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
 from rl_core.testing.distributed import run_distributed
 

@@ -14,11 +14,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # megatron_testutil (importlib import mode)
 
-import engine_megatron.engine  # noqa: E402, F401
 import megatron.core.dist_checkpointing  # noqa: E402, F401
 import megatron.core.models.gpt  # noqa: E402, F401
 import megatron.core.optimizer  # noqa: E402, F401
 import megatron.core.pipeline_parallel  # noqa: E402, F401
+
+import engine_megatron.engine  # noqa: E402, F401
 from ckpt_convert.megatron_cpu import ensure_cpu_compat  # noqa: E402
 
 ensure_cpu_compat()
@@ -41,6 +42,7 @@ def conversion_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory):
     """arch -> path of a tiny HF checkpoint (vocab 100), built once per session."""
     from megatron_testutil import VOCAB
+
     from rl_core.testing.tiny_models import save_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("hf")

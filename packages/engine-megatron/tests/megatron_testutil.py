@@ -11,6 +11,7 @@ import copy
 from typing import Any
 
 import torch
+
 from rl_core.batch import TokenBatch
 from rl_core.config import PolicyConfig, parse_config
 from rl_core.losses import ClippedPGLoss, LossConfig

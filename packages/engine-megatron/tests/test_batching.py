@@ -8,11 +8,12 @@ the positions' own token and target, which must come back exactly as from the un
 from __future__ import annotations
 
 import pytest
-import seqpack
 import torch
+from megatron_testutil import VOCAB, make_policy
+
+import seqpack
 from engine_megatron import batching
 from engine_megatron.config import ResolvedSettings
-from megatron_testutil import VOCAB, make_policy
 from rl_core.testing.contracts import random_token_batch
 from rl_core.testing.distributed import run_distributed
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from megatron_testutil import LOSS, VOCAB, dp_indices, global_batch, make_policy
+
 from rl_core.losses import ClippedPGLoss
 from rl_core.testing.contracts import check_training_engine
 from rl_core.testing.distributed import run_distributed

@@ -5,8 +5,9 @@ from __future__ import annotations
 import time
 
 import pytest
-from engine_megatron.config import parse_megatron_config, resolve_settings
 from megatron_testutil import make_policy
+
+from engine_megatron.config import parse_megatron_config, resolve_settings
 from rl_core.config import ConfigError
 from rl_core.testing.distributed import run_distributed
 from rl_core.testing.tiny_models import tiny_config

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from megatron_testutil import assert_same_run, engine_run, make_policy
+
 from rl_core.testing.distributed import run_distributed
 
 PACKING = {"sequence_packing": {"enabled": True, "train_mb_tokens": 32, "logprob_mb_tokens": 32}}
@@ -40,8 +41,9 @@ def test_context_parallel_equals_single_gpu(tiny_ckpt) -> None:
 
 
 def _offload(rank: int, world_size: int, ckpt: str) -> tuple[float, float, bool]:
-    from engine_megatron.engine import MegatronEngine
     from megatron_testutil import global_batch
+
+    from engine_megatron.engine import MegatronEngine
 
     engine = MegatronEngine(make_policy(ckpt))
     batch = global_batch(0)

@@ -21,6 +21,7 @@ from megatron_testutil import (
     max_abs_diff,
     reference_run,
 )
+
 from rl_core.testing.distributed import run_distributed
 
 logger = logging.getLogger(__name__)
@@ -96,8 +97,9 @@ def test_expert_parallel_equals_single_rank(tiny_ckpt, arch: str) -> None:
 
 
 def _recompute_settings(rank: int, world_size: int, ckpt: str) -> tuple:
-    from engine_megatron.engine import MegatronEngine
     from megatron_testutil import make_policy
+
+    from engine_megatron.engine import MegatronEngine
 
     engine = MegatronEngine(make_policy(ckpt, {"activation_checkpointing": {"enabled": True, "num_layers": 1}}))
     config = engine.model.module.config

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 from megatron_testutil import LOSS, global_batch, make_policy
+
 from rl_core.losses import ClippedPGLoss
 from rl_core.testing.distributed import run_distributed
 

@@ -21,6 +21,7 @@ from megatron_testutil import (
     max_abs_diff,
     weight_diffs,
 )
+
 from rl_core.losses import ClippedPGLoss
 from rl_core.testing.distributed import run_distributed
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from rl_core.testing.distributed import run_distributed
 
 VOCAB, PADDED, TEMPERATURE = 100, 128, 0.7
@@ -18,8 +19,9 @@ def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _worker(rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from engine_megatron.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
     from megatron.core import parallel_state as ps
+
+    from engine_megatron.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
 
     ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
     try:

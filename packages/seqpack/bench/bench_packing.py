@@ -13,6 +13,7 @@ import statistics
 import time
 
 import numpy as np
+
 from seqpack import pack_bins, plan_micro_batches
 from seqpack.microbatch import micro_batch_cost
 

@@ -9,6 +9,7 @@ import heapq
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from seqpack import balance_partitions, partition_spread
 from seqpack.balance import _karmarkar_karp
 

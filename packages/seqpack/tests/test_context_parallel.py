@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from seqpack import cp_gather, cp_shard, cp_shard_indices, pack
 
 FAST = settings(max_examples=50, deadline=None)

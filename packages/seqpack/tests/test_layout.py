@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from seqpack import block_causal_mask, pack, pack_like, unpack
 
 FAST = settings(max_examples=50, deadline=None)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from seqpack import MicroBatchPlan, plan_micro_batches
 
 FAST = settings(max_examples=80, deadline=None)

@@ -17,21 +17,21 @@ from collections.abc import Iterator
 from contextlib import nullcontext
 from pathlib import Path
 
-import seqpack
 import torch
 import torch.distributed as dist
-from rl_core.batch import LossFn, LossInputs, StepResult, TokenBatch
-from rl_core.config import PolicyConfig
-from rl_core.metrics import all_reduce_metrics, combine_metrics
-from rl_core.registry import register_engine
 from torch import Tensor
 
+import seqpack
 from engine_dtensor import checkpoint
 from engine_dtensor.config import DTensorConfig
 from engine_dtensor.forward import build_packed_inputs, build_padded_inputs, forward_logprobs
 from engine_dtensor.optim import build_optimizer, build_scheduler, clip_grads_
 from engine_dtensor.parallel_dims import ParallelDims
 from engine_dtensor.parallelize import parallelize
+from rl_core.batch import LossFn, LossInputs, StepResult, TokenBatch
+from rl_core.config import PolicyConfig
+from rl_core.metrics import all_reduce_metrics, combine_metrics
+from rl_core.registry import register_engine
 
 logger = logging.getLogger(__name__)
 

@@ -16,13 +16,13 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import seqpack
 import torch
-from rl_core.logprobs import shift_align
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+import seqpack
 from engine_dtensor.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
+from rl_core.logprobs import shift_align
 
 
 @dataclass

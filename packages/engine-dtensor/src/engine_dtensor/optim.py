@@ -13,9 +13,10 @@ import math
 from collections.abc import Iterable
 
 import torch
-from rl_core.config import OptimizerConfig, SchedulerConfig
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
+
+from rl_core.config import OptimizerConfig, SchedulerConfig
 
 
 def build_optimizer(params: Iterable[nn.Parameter], cfg: OptimizerConfig) -> torch.optim.Optimizer:
@@ -34,21 +35,10 @@ def build_optimizer(params: Iterable[nn.Parameter], cfg: OptimizerConfig) -> tor
         ) from exc
 
 
-def lr_factor(step: int, cfg: SchedulerConfig) -> float:
-    """Multiplier of the base lr at optimizer step `step` (0-based): linear warmup, then decay."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    if cfg.decay == "constant":
-        return 1.0
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
-    shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if cfg.decay == "cosine" else 1.0 - progress
-    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
-
-
 def build_scheduler(
     optimizer: torch.optim.Optimizer, cfg: SchedulerConfig
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, cfg.lr_factor)
 
 
 def _mesh_key(grad: Tensor) -> object:

@@ -9,12 +9,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from rl_core.batch import TokenBatch
-from rl_core.config import PolicyConfig, parse_config
-from rl_core.testing.contracts import random_token_batch
 from torch.distributed.tensor import DTensor
 
 from engine_dtensor.parallelize import hf_name
+from rl_core.batch import TokenBatch
+from rl_core.config import PolicyConfig, parse_config
+from rl_core.testing.contracts import random_token_batch
 
 VOCAB = 128
 

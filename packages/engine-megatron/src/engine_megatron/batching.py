@@ -18,15 +18,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import seqpack
 import torch
 import torch.distributed as dist
+from torch import Tensor
+
+import seqpack
+from engine_megatron.config import ResolvedSettings
 from rl_core.batch import TokenBatch
 from rl_core.config import PolicyConfig
 from rl_core.logprobs import shift_align
-from torch import Tensor
-
-from engine_megatron.config import ResolvedSettings
 
 
 @dataclass

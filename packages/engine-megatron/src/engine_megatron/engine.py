@@ -22,10 +22,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from rl_core.batch import LossFn, LossInputs, StepResult, TokenBatch
-from rl_core.config import PolicyConfig
-from rl_core.metrics import all_reduce_metrics, combine_metrics
-from rl_core.registry import register_engine
 from torch import Tensor
 
 from engine_megatron import batching, checkpoint
@@ -35,6 +31,10 @@ from engine_megatron.model import build_ddp_model, convert_once, export_hf_tenso
 from engine_megatron.optim import build_optimizer, build_scheduler, megatron_optimizer_config, optimizer_step
 from engine_megatron.parallel import broadcast_from_last_stage, ensure_process_group, init_model_parallel
 from engine_megatron.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
+from rl_core.batch import LossFn, LossInputs, StepResult, TokenBatch
+from rl_core.config import PolicyConfig
+from rl_core.metrics import all_reduce_metrics, combine_metrics
+from rl_core.registry import register_engine
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,6 @@ logger = logging.getLogger(__name__)
 
 def build_ddp_model(model_cfg: Any, ddp_overrides: dict[str, Any], ranks: ParallelRanks) -> Any:
     """This rank's GPTModel stage wrapped in megatron's DistributedDataParallel."""
-    from ckpt_convert.mcore_model import build_gpt_model
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -36,6 +35,7 @@ def build_ddp_model(model_cfg: Any, ddp_overrides: dict[str, Any], ranks: Parall
     )
     from megatron.core.transformer.module import Float16Module
 
+    from ckpt_convert.mcore_model import build_gpt_model
     from engine_megatron.compat import device_context
 
     with device_context():
@@ -115,8 +115,9 @@ def _global_name(module: Any, name: str, ranks: ParallelRanks, num_local_experts
 
 def _tp_gather(model_cfg: Any, param: Tensor, name: str) -> Tensor:
     """The full tensor of a tensor-parallel parameter from its shards (TP, or expert-TP for experts)."""
-    from ckpt_convert.mapping import merge_tp_shards
     from megatron.core import parallel_state as ps
+
+    from ckpt_convert.mapping import merge_tp_shards
 
     if not getattr(param, "tensor_model_parallel", False):
         return param.detach()

@@ -14,9 +14,9 @@ import math
 from typing import Any
 
 import torch
-from rl_core.config import ConfigError, PolicyConfig, SchedulerConfig
 
 from engine_megatron.config import MegatronConfig
+from rl_core.config import ConfigError, PolicyConfig
 
 logger = logging.getLogger(__name__)
 
@@ -66,17 +66,6 @@ def build_optimizer(opt_config: Any, model_chunks: list) -> Any:
     return get_megatron_optimizer(opt_config, model_chunks, config_overrides={})
 
 
-def lr_factor(step: int, sched: SchedulerConfig) -> float:
-    """policy.scheduler's multiplier of the base lr at optimizer step `step` (0-based), as in every engine."""
-    if step < sched.warmup_steps:
-        return (step + 1) / sched.warmup_steps
-    if sched.decay == "constant":
-        return 1.0
-    progress = min(1.0, (step - sched.warmup_steps) / max(1, sched.total_steps - sched.warmup_steps))
-    shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if sched.decay == "cosine" else 1.0 - progress
-    return sched.min_lr_ratio + (1.0 - sched.min_lr_ratio) * shape
-
-
 def build_scheduler(optimizer: Any, policy: PolicyConfig, cfg: MegatronConfig) -> Any:
     """megatron's OptimizerParamScheduler; its lr follows `policy.scheduler` unless megatron_cfg.scheduler
     overrides any of its settings, in which case megatron's own schedule (lr_decay_style, WSD...) is used.
@@ -101,7 +90,7 @@ def build_scheduler(optimizer: Any, policy: PolicyConfig, cfg: MegatronConfig) -
 
     class PolicyScheduler(OptimizerParamScheduler):
         def get_lr(self, param_group: dict) -> float:
-            return lr * lr_factor(self.num_steps, sched)
+            return lr * sched.lr_factor(self.num_steps)
 
     return PolicyScheduler(optimizer, **kwargs)
 

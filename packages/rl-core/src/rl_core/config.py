@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -142,6 +143,20 @@ class SchedulerConfig:
     decay: Literal["constant", "cosine", "linear"] = "constant"
     total_steps: int = 1000
     min_lr_ratio: float = 0.0
+
+    def lr_factor(self, step: int) -> float:
+        """Multiplier of the base lr at optimizer step `step` (0-based); every engine uses this formula.
+
+        Warmup is (step + 1) / warmup_steps, so the first step already trains; a skipped (non-finite)
+        step does not advance the schedule.
+        """
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.decay == "constant":
+            return 1.0
+        progress = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if self.decay == "cosine" else 1.0 - progress
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * shape
 
 
 @dataclass(kw_only=True)

@@ -8,10 +8,12 @@ behaviour of the interface itself.
 from __future__ import annotations
 
 import math
+import shutil
 import tempfile
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from rl_core.batch import TokenBatch
 from rl_core.interfaces import GenerationBackend, SamplingParams, TrainingEngine
@@ -31,8 +33,21 @@ def random_token_batch(vocab_size: int, lengths: list[int], *, prompt_len: int =
     return TokenBatch(input_ids=input_ids, loss_mask=loss_mask, advantages=advantages)
 
 
-def check_training_engine(make_engine: Callable[[], TrainingEngine], vocab_size: int) -> None:
-    """Shapes, determinism, training moves logprobs, forward_only leaves weights alone, checkpoints restore."""
+def shared_temp_dir() -> str:
+    """A fresh temporary directory, the same path on every rank (checkpoints need one path)."""
+    path = [tempfile.mkdtemp(prefix="contract-ckpt-") if not dist.is_initialized() or dist.get_rank() == 0 else None]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(path, src=0)
+    return path[0]
+
+
+def check_training_engine(make_engine: Callable[[], TrainingEngine], vocab_size: int,
+                          checkpoint_dir: str | None = None) -> None:
+    """Shapes, determinism, training moves logprobs, forward_only leaves weights alone, checkpoints restore.
+
+    Under torch.distributed every rank calls this; `checkpoint_dir` (default: a shared temp dir) must be
+    the same path on all ranks.
+    """
     engine = make_engine()
     assert isinstance(engine, TrainingEngine), f"{type(engine).__name__} does not implement TrainingEngine"
     batch = random_token_batch(vocab_size, [5, 9, 7, 12])
@@ -50,7 +65,8 @@ def check_training_engine(make_engine: Callable[[], TrainingEngine], vocab_size:
     unchanged = engine.compute_logprobs(batch)
     assert all(torch.equal(a, b) for a, b in zip(logprobs, unchanged)), "forward_only changed the model"
 
-    with tempfile.TemporaryDirectory() as ckpt:
+    ckpt = checkpoint_dir or shared_temp_dir()
+    try:
         engine.save_checkpoint(ckpt + "/step")
         metrics = engine.train_batch(batch, loss_fn)
         for key in ("loss", "grad_norm", "lr"):
@@ -63,6 +79,11 @@ def check_training_engine(make_engine: Callable[[], TrainingEngine], vocab_size:
         engine.train_batch(batch, loss_fn)
         retrained = engine.compute_logprobs(batch)
         assert all(torch.equal(a, b) for a, b in zip(trained, retrained)), "resumed step differs"
+    finally:
+        if dist.is_initialized():
+            dist.barrier()
+        if checkpoint_dir is None and (not dist.is_initialized() or dist.get_rank() == 0):
+            shutil.rmtree(ckpt, ignore_errors=True)
 
     names = [name for name, tensor in engine.export_hf_weights()]
     assert names and len(names) == len(set(names)), "export_hf_weights yields no or duplicate names"
