@@ -14,6 +14,7 @@ import tempfile
 import time
 
 import torch
+
 from rl_core.interfaces import SamplingParams
 from rl_core.testing.tiny_models import build_tokenizer, save_tiny_checkpoint
 from rollout.torch_backend import TorchGenerationBackend

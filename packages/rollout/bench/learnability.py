@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
 from rl_core.advantages import grpo_advantages
 from rl_core.interfaces import RewardRequest, SamplingParams
 from rl_core.logprobs import target_logprobs
@@ -37,6 +38,7 @@ class ToyRunConfig:
     lr: float = 1e-3
     temperature: float = 1.0
     stop_bonus: float = 0.2
+    charset: str | None = None  # repeat_char targets; None = the task's default
     max_steps: int = 300
     max_seconds: float = 170.0
     val_every: int = 10
@@ -101,8 +103,9 @@ def run_grpo(cfg: ToyRunConfig, cache_dir: str | None = None) -> ToyRunResult:
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).train()
     backend = TorchGenerationBackend(str(ckpt))
     env = create_environment(cfg.task, num_workers=1, stop_bonus=cfg.stop_bonus)
-    train = toy_prompts(cfg.task, 2048, split="train", seed=cfg.seed)
-    val = toy_prompts(cfg.task, cfg.num_val_prompts, split="validation", seed=cfg.seed)
+    task_kwargs = {} if cfg.charset is None else {"charset": cfg.charset}
+    train = toy_prompts(cfg.task, 2048, split="train", seed=cfg.seed, **task_kwargs)
+    val = toy_prompts(cfg.task, cfg.num_val_prompts, split="validation", seed=cfg.seed, **task_kwargs)
     max_new = cfg.answer_len + 2
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
     result, start = ToyRunResult(), time.monotonic()
@@ -148,13 +151,15 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=ToyRunConfig.temperature)
     parser.add_argument("--stop-bonus", type=float, default=ToyRunConfig.stop_bonus)
     parser.add_argument("--seed", type=int, default=ToyRunConfig.seed)
+    parser.add_argument("--charset", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logger.setLevel(logging.DEBUG)
     result = run_grpo(ToyRunConfig(max_steps=args.steps, max_seconds=args.seconds, lr=args.lr,
                                    prompts_per_step=args.prompts, samples_per_prompt=args.samples,
-                                   temperature=args.temperature, stop_bonus=args.stop_bonus, seed=args.seed))
+                                   temperature=args.temperature, stop_bonus=args.stop_bonus, seed=args.seed,
+                                   charset=args.charset))
     print("step  seconds  val_reward")
     for step, seconds, reward in result.curve:
         print(f"{step:4d}  {seconds:7.1f}  {reward:.3f}")

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from rl_core.logprobs import target_logprobs
 from rl_core.testing.tiny_models import build_tokenizer, cached_tiny_checkpoint
 

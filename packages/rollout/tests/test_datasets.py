@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from rollout.datasets import build_examples, load_prompt_dataset
 from rollout.environments import toy_prompts
 

@@ -7,6 +7,7 @@ import textwrap
 import time
 
 import pytest
+
 from rl_core.interfaces import Environment, RewardRequest
 from rollout.environments import create_environment, environment_names, toy_prompts
 from rollout.rewards.math_answer import last_boxed_answer, math_reward

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
 from rl_core.importance import importance_weights
 from rl_core.interfaces import SamplingParams
 from rl_core.testing.contracts import check_generation_backend
 from rl_core.testing.tiny_models import cached_tiny_checkpoint
 from rollout.torch_backend import TorchGenerationBackend
-from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
 
 EOS = 2
 
@@ -131,9 +132,10 @@ def test_bad_sampling_params_and_prompts(tiny_ckpt):
 
 def test_preallocated_cache_and_gqa_attention_match_transformers_defaults(tiny_ckpt, prompts):
     """rollout's in-place KV cache (also when it must grow) + rollout_sdpa == DynamicCache + sdpa."""
+    from transformers import DynamicCache
+
     from rollout import attention
     from rollout.kv_cache import make_cache
-    from transformers import DynamicCache
 
     attention.register()
     ref = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32, attn_implementation="sdpa").eval()

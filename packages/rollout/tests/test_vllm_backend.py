@@ -7,11 +7,12 @@ import gc
 
 import pytest
 import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
 from rl_core.importance import importance_weights
 from rl_core.interfaces import SamplingParams
 from rl_core.testing.contracts import check_generation_backend
-from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
 
 pytestmark = pytest.mark.vllm
 EOS = 2

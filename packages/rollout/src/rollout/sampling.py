@@ -14,8 +14,9 @@ from __future__ import annotations
 import math
 
 import torch
-from rl_core.interfaces import SamplingParams
 from torch import Tensor
+
+from rl_core.interfaces import SamplingParams
 
 
 def validate_params(params: SamplingParams) -> None:

@@ -19,9 +19,9 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
-from rl_core.interfaces import Completion, SamplingParams
 from torch import Tensor
 
+from rl_core.interfaces import Completion, SamplingParams
 from rollout.kv_cache import make_cache
 from rollout.sampling import make_generator, sample_next, validate_params
 

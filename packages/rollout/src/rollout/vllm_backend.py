@@ -26,9 +26,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from rl_core.interfaces import Completion, SamplingParams
 from torch import Tensor
 
+from rl_core.interfaces import Completion, SamplingParams
 from rollout.sampling import validate_params
 
 logger = logging.getLogger(__name__)

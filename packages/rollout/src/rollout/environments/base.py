@@ -14,7 +14,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from rl_core.interfaces import Environment, RewardRequest, RewardResult
-
 from rollout.environments.pool import RewardPool
 
 logger = logging.getLogger(__name__)

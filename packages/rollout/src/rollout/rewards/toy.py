@@ -3,7 +3,8 @@
 `repeat_char` (the trainer's default task): the prompt names one character at its end, e.g. "qk:7" names
 "7" (a few random lowercase letters come first, so prompts differ). The target is the last prompt token,
 so the first thing to learn is "repeat the previous character": a direct embedding -> logits path that a
-2-layer model picks up in a few dozen GRPO steps, then where to stop.
+2-layer model picks up in a few dozen GRPO steps, then where to stop. Targets default to "0123"
+(`charset=` changes them; a policy stuck on one target scores 0.2 + 0.8 / len(charset)).
 The ideal completion is the character `answer_len` times, then the stop token ("7777</s>").
     reward = (1 - stop_bonus) * (# of the first answer_len chars equal to the target) / answer_len
              + stop_bonus * [the completion is exactly answer_len chars long]
@@ -27,6 +28,9 @@ from typing import Any
 END_MARKERS = ("</s>", "<|endoftext|>", "<|im_end|>", "<eos>", "<|eot_id|>")
 NOISE = string.ascii_lowercase
 VALIDATION_SHARE = 5  # one prompt in 5 is held out
+# Four targets: measured robust (+0.3 held-out reward within ~20 GRPO steps for every seed tried).
+# With all ten digits learning stalls at +0.3 for some seeds (one digit takes over several classes).
+DEFAULT_CHARSET = "0123"
 
 
 def strip_end_markers(text: str) -> str:
@@ -58,7 +62,7 @@ def _draw(make: Any, num: int, split: str, seed: int) -> list[dict[str, Any]]:
     raise ValueError(f"could not draw {num} distinct-split toy prompts; widen the task (more noise or charset)")
 
 
-def repeat_char_prompts(num: int, *, split: str = "train", seed: int = 0, charset: str = string.digits,
+def repeat_char_prompts(num: int, *, split: str = "train", seed: int = 0, charset: str = DEFAULT_CHARSET,
                         max_noise: int = 3) -> list[dict[str, Any]]:
     """`num` prompts {"prompt": "qk:7", "metadata": {"target": "7"}} of the given split."""
     if not charset:
