@@ -84,3 +84,19 @@ def test_kill_after_step_3_and_resume_reproduces_steps_4_to_6(tmp_path):
         want = {k: v for k, v in reference[step].items() if not k.startswith("timing/") and "per_s" not in k}
         got = {k: v for k, v in resumed[step].items() if not k.startswith("timing/") and "per_s" not in k}
         assert got == want, f"step {step + 1} differs after resume"
+
+
+@pytest.mark.slow
+def test_default_run_learns_within_ten_minutes(tmp_path):
+    """`uv run apps/grpo` as shipped: validation reward rises by >= 0.3 and the run ends with its summary."""
+    env = {**os.environ, "RL_STACK_CACHE": str(tmp_path / "cache")}
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, str(ROOT / "apps/grpo"), f"logger.log_dir={tmp_path / 'run'}"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=900)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    val = [r["val/reward_mean"] for r in read_metrics(tmp_path / "run") if "val/reward_mean" in r]
+    assert val[-1] - val[0] >= 0.3, f"validation reward {val}"
+    assert elapsed <= 600, f"the default run took {elapsed:.0f} s (budget 600 s)"
+    assert "validation reward:" in proc.stderr and "refit" in proc.stderr  # the summary table
+    assert (tmp_path / "run/summary.png").stat().st_size > 0

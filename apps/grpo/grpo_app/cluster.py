@@ -44,34 +44,78 @@ def _split(items: Sequence[Any], parts: int) -> list[list[Any]]:
     return [list(items[i * size : (i + 1) * size]) for i in range(parts)]
 
 
+@ray.remote(num_cpus=0)
+def _node_address() -> tuple[str, int]:
+    return ray.util.get_node_ip_address(), free_port()
+
+
+class Placement:
+    """Where actors go. On CPU: anywhere on the local Ray (no GPUs to pin). On GPUs: one placement-group
+    bundle per policy rank (PACK: fill nodes in order); colocated generation workers share those bundles'
+    GPUs, separate ones get bundles of their own after the policy's."""
+
+    def __init__(self, cfg: GRPOConfig) -> None:
+        self.cfg = cfg
+        self.group = None
+        self.share = 0.5 if cfg.generation.colocated else 1.0
+        if cfg.cluster.gpus_per_node:
+            from ray.util.placement_group import placement_group
+
+            extra = 0 if cfg.generation.colocated else cfg.generation.num_workers
+            bundles = [{"GPU": 1, "CPU": 1}] * (cfg.cluster.train_world_size + extra)
+            self.group = placement_group(bundles, strategy="PACK")
+            ray.get(self.group.ready())
+
+    def _options(self, bundle: int, num_gpus: float) -> dict[str, Any]:
+        if self.group is None:
+            return {"num_cpus": 0, "num_gpus": 0}
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return {"num_cpus": 0, "num_gpus": num_gpus, "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            self.group, placement_group_bundle_index=bundle)}
+
+    def policy_options(self, rank: int) -> dict[str, Any]:
+        return self._options(rank, self.share if self.cfg.generation.colocated else 1.0)
+
+    def generation_options(self, index: int) -> dict[str, Any]:
+        world = self.cfg.cluster.train_world_size
+        bundle = index % world if self.cfg.generation.colocated else world + index
+        return self._options(bundle, self.share if self.cfg.generation.colocated else 1.0)
+
+    def rendezvous(self, rank: int) -> tuple[str, int]:
+        """(ip, free port) on the node of policy rank `rank`; 127.0.0.1 for a local CPU run."""
+        if self.group is None and not self.cfg.cluster.address:
+            return "127.0.0.1", free_port()
+        return ray.get(_node_address.options(**{k: v for k, v in self._options(rank, 0).items()
+                                                 if k != "num_gpus"}).remote())
+
+
 class Workers:
     """Every actor of a run, with batch-level operations for the loop."""
 
     def __init__(self, cfg: GRPOConfig) -> None:
         self.cfg = cfg
-        gpus = cfg.cluster.gpus_per_node
         world = cfg.cluster.train_world_size
+        gpus = cfg.cluster.gpus_per_node
         threads = max(1, (os.cpu_count() or 1) // max(world, 1)) if not gpus else 4
-        share = 0.5 if cfg.generation.colocated else 1.0
-        policy_opts = {"num_cpus": 0, "num_gpus": share if gpus else 0}
-        master = (ray.util.get_node_ip_address() if cfg.cluster.address else "127.0.0.1", free_port())
+        placement = Placement(cfg)
+        master = placement.rendezvous(0)  # policy rank 0's node hosts the training process group's store
         with_reference = cfg.loss.kl_coef != 0.0
         self.policy = [
-            PolicyWorker.options(**policy_opts).remote(cfg.policy, rank, world, master,
-                                                       with_reference=with_reference, num_threads=threads)
+            PolicyWorker.options(**placement.policy_options(rank)).remote(
+                cfg.policy, rank, world, master, with_reference=with_reference, num_threads=threads)
             for rank in range(world)
         ]
-        gen_opts = {"num_cpus": 0, "num_gpus": share if gpus else 0}
         self.generators = [
-            GenerationWorker.options(**gen_opts).remote(cfg.generation.backend, cfg.policy.model_name,
-                                                        cfg.generation.backend_kwargs, num_threads=threads)
-            for _ in range(cfg.generation.num_workers)
+            GenerationWorker.options(**placement.generation_options(i)).remote(
+                cfg.generation.backend, cfg.policy.model_name, cfg.generation.backend_kwargs, num_threads=threads)
+            for i in range(cfg.generation.num_workers)
         ]
         self.rewarders = [RewardWorker.options(num_cpus=0).remote(cfg.env.name, cfg.env.kwargs)
                           for _ in range(cfg.env.num_workers)]
         self.dp_layout = ray.get([w.layout.remote() for w in self.policy])  # (dp_rank, dp_size) per rank
         self.dp_size = self.dp_layout[0][1]
-        host, port = "127.0.0.1" if not cfg.cluster.address else master[0], free_port()
+        host, port = placement.rendezvous(0)  # refit group: policy rank 0 sends, generators receive
         refit_world = 1 + len(self.generators)
         ray.get([w.join_refit.remote(host, port, refit_world) for w in self.policy]
                 + [g.join_refit.remote(host, port, i + 1, refit_world) for i, g in enumerate(self.generators)])

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from grpo_app.config import GRPOConfig
 from rl_core.config import ConfigError
+from rl_core.interfaces import ValidatesConfig
 from rl_core.registry import ENGINES, GENERATION_BACKENDS
 
 logger = logging.getLogger(__name__)
@@ -42,9 +43,8 @@ def preflight(cfg: GRPOConfig) -> GRPOConfig:
     """Validate what the config points at; returns the config with the model path resolved."""
     cfg = resolve_model(cfg)
     engine_cls = ENGINES.get(cfg.policy.engine_name, config_key=f"policy.{cfg.policy.engine_name}_cfg.enabled")
-    validate = getattr(engine_cls, "validate_config", None)
-    if validate is not None:
-        validate(cfg.policy)
+    if isinstance(engine_cls, ValidatesConfig):
+        engine_cls.validate_config(cfg.policy)
     GENERATION_BACKENDS.get(cfg.generation.backend, config_key="generation.backend")
     from rollout.environments import environment_names, toy_prompts
 

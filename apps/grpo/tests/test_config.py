@@ -8,6 +8,8 @@ import pytest
 
 from grpo_app.config import CONFIG_DIR, apply_override, load_config, load_yaml
 from rl_core.config import ConfigError
+from rl_core.interfaces import ValidatesConfig
+from rl_core.registry import ENGINES
 
 
 def write(path: Path, text: str) -> Path:
@@ -65,8 +67,23 @@ def test_override_syntax_errors():
 
 
 def test_every_shipped_config_validates():
+    """Each recipe parses into GRPOConfig and its engine accepts its engine section (TransformerConfig keys too)."""
     configs = sorted(CONFIG_DIR.glob("*.yaml"))
-    assert len(configs) >= 2
+    assert len(configs) >= 9
+    engines = set()
     for path in configs:
         cfg = load_config(path)
-        assert cfg.policy.model_name
+        engine_cls = ENGINES.get(cfg.policy.engine_name, config_key="policy")
+        assert isinstance(engine_cls, ValidatesConfig)
+        engine_cls.validate_config(cfg.policy)
+        engines.add(cfg.policy.engine_name)
+    assert engines == {"dtensor", "megatron"}
+
+
+def test_megatron_switch_is_one_key():
+    cfg = load_config(None, ["policy.megatron_cfg.enabled=true"])
+    assert cfg.policy.engine_name == "megatron"
+    with pytest.raises(ConfigError, match="unknown config key 'policy.megatron_cfg.tensor_model_paralel_size'"):
+        ENGINES.get("megatron", config_key="policy").validate_config(
+            load_config(None, ["policy.megatron_cfg.enabled=true",
+                               "policy.megatron_cfg.tensor_model_paralel_size=2"]).policy)

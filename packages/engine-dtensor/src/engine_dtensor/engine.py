@@ -86,9 +86,14 @@ def load_hf_model(path: str, attn_impl: str) -> torch.nn.Module:
 class DTensorEngine:
     """FSDP2 (+ DTensor TP) training engine; `batch` arguments are this DP rank's shard."""
 
+    @classmethod
+    def validate_config(cls, policy: PolicyConfig) -> DTensorConfig:
+        """Check `policy.dtensor_cfg` without building anything (the trainer calls this before workers start)."""
+        return DTensorConfig.from_policy(policy)
+
     def __init__(self, policy: PolicyConfig) -> None:
         self.policy = policy
-        self.cfg = DTensorConfig.from_policy(policy)
+        self.cfg = self.validate_config(policy)
         self.device = init_distributed()
         self.parallel_dims = ParallelDims.from_world(dist.get_world_size(), self.cfg.tensor_parallel_size)
         self.parallel_dims.build_mesh(self.device.type)

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from engine_megatron import batching, checkpoint
 from engine_megatron.compat import device_context, prepare_device
-from engine_megatron.config import parse_megatron_config, resolve_settings
+from engine_megatron.config import MegatronConfig, parse_megatron_config, resolve_settings
 from engine_megatron.model import build_ddp_model, convert_once, export_hf_tensors, load_converted
 from engine_megatron.optim import build_optimizer, build_scheduler, megatron_optimizer_config, optimizer_step
 from engine_megatron.parallel import broadcast_from_last_stage, ensure_process_group, init_model_parallel
@@ -56,11 +56,16 @@ class _StepState:
 class MegatronEngine:
     """A policy model on megatron-core; see the module docstring."""
 
+    @classmethod
+    def validate_config(cls, policy: PolicyConfig) -> MegatronConfig:
+        """Check `policy.megatron_cfg` (incl. TransformerConfig keys) without building anything."""
+        return parse_megatron_config(policy.engine_options)
+
     def __init__(self, policy: PolicyConfig) -> None:
         from ckpt_convert.mcore_model import load_hf_config, mcore_model_config
 
         self.policy = policy
-        self.cfg = parse_megatron_config(policy.engine_options)
+        self.cfg = self.validate_config(policy)
         self.device = prepare_device()
         self.hf_config = load_hf_config(policy.model_name)
         world_size = ensure_process_group(self.device.type == "cuda")

@@ -53,6 +53,15 @@ class TrainingEngine(Protocol):
         """Bring them back to the training device."""
 
 
+@runtime_checkable
+class ValidatesConfig(Protocol):
+    """Optional for engine classes: check the engine's config section before any worker starts."""
+
+    @classmethod
+    def validate_config(cls, policy: Any) -> Any:
+        """Parse and check `policy`'s engine section; raise ConfigError naming the key on bad input."""
+
+
 @dataclass(kw_only=True)
 class SamplingParams:
     n: int = 1
