@@ -45,15 +45,10 @@ def source_files(dist: str) -> list[Path]:
     return sorted((root / "src" / module).rglob("*.py"))
 
 
-def top_level_imports(path: Path) -> set[str]:
-    """Modules imported at module level (not inside functions: those are lazy, allowed for extras)."""
-    tree = ast.parse(path.read_text())
+def imported_modules(nodes) -> set[str]:
     names = set()
-    for node in tree.body:
-        nodes = [node]
-        if isinstance(node, (ast.If, ast.Try)):
-            nodes = list(ast.walk(node))
-        for sub in nodes:
+    for node in nodes:
+        for sub in ast.walk(node):
             if isinstance(sub, ast.Import):
                 names |= {alias.name.split(".")[0] for alias in sub.names}
             elif isinstance(sub, ast.ImportFrom) and sub.level == 0 and sub.module:
@@ -61,14 +56,14 @@ def top_level_imports(path: Path) -> set[str]:
     return names
 
 
+def top_level_imports(path: Path) -> set[str]:
+    """Modules imported at module level (not inside functions: those are lazy, allowed for extras)."""
+    body = ast.parse(path.read_text()).body
+    return imported_modules(n for n in body if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)))
+
+
 def all_imports(path: Path) -> set[str]:
-    names = set()
-    for sub in ast.walk(ast.parse(path.read_text())):
-        if isinstance(sub, ast.Import):
-            names |= {alias.name.split(".")[0] for alias in sub.names}
-        elif isinstance(sub, ast.ImportFrom) and sub.level == 0 and sub.module:
-            names.add(sub.module.split(".")[0])
-    return names
+    return imported_modules([ast.parse(path.read_text())])
 
 
 def declared(dist: str) -> set[str]:
