@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from grpo_app.checkpoint import CheckpointManager
-from grpo_app.prompts import PromptItem, PromptSource
+from grpo_app.prompts import PromptSource
+from rollout.datasets import PromptExample
 
 
 def fake_engine_save(path: str) -> None:
@@ -35,14 +36,14 @@ def test_failed_save_leaves_no_checkpoint(tmp_path):
 
 
 def test_prompt_source_resumes_exactly():
-    items = [PromptItem(text=str(i), token_ids=[i]) for i in range(7)]
+    items = [PromptExample(prompt=str(i), prompt_token_ids=[i]) for i in range(7)]
     uninterrupted = PromptSource(items, seed=3)
-    expected = [p.text for _ in range(5) for p in uninterrupted.next_batch(4)]
+    expected = [p.prompt for _ in range(5) for p in uninterrupted.next_batch(4)]
     first = PromptSource(items, seed=3)
-    got = [p.text for _ in range(2) for p in first.next_batch(4)]
+    got = [p.prompt for _ in range(2) for p in first.next_batch(4)]
     resumed = PromptSource(items, seed=3)
     resumed.load_state_dict(first.state_dict())
-    got += [p.text for _ in range(3) for p in resumed.next_batch(4)]
+    got += [p.prompt for _ in range(3) for p in resumed.next_batch(4)]
     assert got == expected
     assert sorted(expected[:7]) == sorted(str(i) for i in range(7))  # each epoch visits every prompt once
 
