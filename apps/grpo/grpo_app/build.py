@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from grpo_app.checkpoint import CheckpointManager
@@ -32,14 +33,28 @@ def load_prompts(cfg: GRPOConfig, tokenizer: Any, split: str) -> list[PromptExam
     return build_examples(records, tokenizer, **render)
 
 
-def build_run(cfg: GRPOConfig) -> Run:
+@dataclass
+class RunInputs:
+    """What a run reads before any worker starts: the tokenizer and both prompt sets."""
+
+    tokenizer: Any
+    train: PromptSource
+    val: list[PromptExample]
+
+
+def load_inputs(cfg: GRPOConfig) -> RunInputs:
+    """Tokenizer and prompts; a missing file, malformed line or empty set fails here, before Ray starts."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.policy.model_name)
-    train_items = load_prompts(cfg, tokenizer, "train")
-    val_items = load_prompts(cfg, tokenizer, "val")
-    if not val_items and cfg.grpo.val_every:
+    train = PromptSource(load_prompts(cfg, tokenizer, "train"), cfg.grpo.seed)
+    val = load_prompts(cfg, tokenizer, "val")[: cfg.grpo.num_val_prompts]
+    if not val and cfg.grpo.val_every:
         raise ValueError("the validation prompt set is empty: set env.val_data or grpo.val_every=0")
+    return RunInputs(tokenizer=tokenizer, train=train, val=val)
+
+
+def build_run(cfg: GRPOConfig, inputs: RunInputs) -> Run:
     checkpoints = None
     if cfg.checkpointing.enabled:
         checkpoints = CheckpointManager(cfg.checkpoint_dir, keep_top_k=cfg.checkpointing.keep_top_k,
@@ -49,9 +64,8 @@ def build_run(cfg: GRPOConfig) -> Run:
     sink = MetricsSink(cfg.logger.log_dir, tensorboard=cfg.logger.tensorboard, resume=resuming)
     start_ray(cfg)
     workers = Workers(cfg)
-    return Run(cfg=cfg, workers=workers, tokenizer=tokenizer, train_prompts=PromptSource(train_items, cfg.grpo.seed),
-               val_prompts=val_items[: cfg.grpo.num_val_prompts], sink=sink, checkpoints=checkpoints,
-               loss_fn=ClippedPGLoss(cfg.loss))
+    return Run(cfg=cfg, workers=workers, tokenizer=inputs.tokenizer, train_prompts=inputs.train,
+               val_prompts=inputs.val, sink=sink, checkpoints=checkpoints, loss_fn=ClippedPGLoss(cfg.loss))
 
 
 def resume(run: Run) -> int:

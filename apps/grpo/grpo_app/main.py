@@ -12,6 +12,7 @@ from pathlib import Path
 
 import yaml
 
+from grpo_app.build import RunInputs, load_inputs
 from grpo_app.config import GRPOConfig, load_config
 from grpo_app.preflight import preflight
 from rl_core.config import ConfigError, to_dict
@@ -27,7 +28,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def run_training(cfg: GRPOConfig) -> dict[str, float]:
+def run_training(cfg: GRPOConfig, inputs: RunInputs) -> dict[str, float]:
     """Build the workers and run the loop; returns the final validation metrics."""
     from grpo_app.build import build_run, resume
 
@@ -35,7 +36,7 @@ def run_training(cfg: GRPOConfig) -> dict[str, float]:
     log_dir.mkdir(parents=True, exist_ok=True)
     (log_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     logger.info("resolved config (saved to %s):\n%s", log_dir / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    run = build_run(cfg)
+    run = build_run(cfg, inputs)
     try:
         from grpo_app.loop import train
 
@@ -53,10 +54,11 @@ def run_training(cfg: GRPOConfig) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
+    try:  # everything a run reads is checked here, before Ray or any worker starts
         cfg = preflight(load_config(args.config, args.overrides))
+        inputs = load_inputs(cfg)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         logger.error("%s", exc)
         return 2
-    run_training(cfg)
+    run_training(cfg, inputs)
     return 0
