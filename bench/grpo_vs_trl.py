@@ -1,0 +1,138 @@
+"""Our GRPO trainer vs TRL 1.16 `GRPOTrainer` on one identical CPU workload, side by side in one invocation.
+
+    uv run bench/grpo_vs_trl.py [--steps 5] [--warmup 2]
+
+Workload (both sides): the ~12M-parameter Qwen2 benchmark model (bench/_common.py), fp32, 8 repeat_char
+prompts x 8 completions, exactly 128 new tokens per completion (no stop token on our side, min_new_tokens on
+TRL's), temperature 1.0, no KL (beta 0), clip eps 0.2 / 0.28, token-level ("dapo" = loss.agg=token-mean)
+normalisation, AdamW lr 1e-5 constant, max grad norm 1.0, reward repeat_char with stop_bonus 0.
+
+Ours runs through the real trainer command (`python apps/grpo --config bench/configs/grpo_vs_trl.yaml ...`);
+TRL runs bench/trl_side.py in its own venv (~/.cache/rl-stack/venv-trl, created on first use). Each side runs
+alone (the other waits), its peak memory is the summed RSS of its whole process tree (Ray driver, GCS,
+raylet, actors for ours), sampled every 50 ms. Step time: median over steps after `--warmup`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import CACHE, ROOT, PeakRSS, bench_model_path, markdown_table, setup_logging
+
+logger = logging.getLogger("bench.grpo_vs_trl")
+TRL_VENV = CACHE / "venv-trl"
+TRL_PINS = ["trl==1.16.0", "torch==2.13.0", "transformers<5.20", "datasets", "accelerate"]
+CONFIG = ROOT / "bench" / "configs" / "grpo_vs_trl.yaml"
+PROMPTS, GENERATIONS, MAX_NEW, LR, EPS, GRAD_NORM, ANSWER_LEN = 8, 8, 128, 1e-5, (0.2, 0.28), 1.0, 128
+
+
+def trl_python() -> Path:
+    """The TRL venv's python, creating the venv (pip, local CPU torch) if it is missing or broken."""
+    python = TRL_VENV / "bin" / "python"
+    check = [str(python), "-c", "import trl, torch; assert trl.__version__ == '1.16.0', trl.__version__"]
+    if python.exists() and subprocess.run(check, capture_output=True).returncode == 0:
+        return python
+    logger.info("creating the TRL venv at %s (%s)", TRL_VENV, " ".join(TRL_PINS))
+    subprocess.run(["python3", "-m", "venv", str(TRL_VENV)], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", *TRL_PINS], check=True)
+    subprocess.run(check, check=True)
+    return python
+
+
+def write_prompts(work: Path) -> list[dict]:
+    from rollout.environments import toy_prompts
+
+    records = toy_prompts("repeat_char", PROMPTS, split="train", seed=0)
+    with (work / "prompts.jsonl").open("w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    return [{"prompt": r["prompt"], "target": r["metadata"]["target"]} for r in records]
+
+
+def run_tree(cmd: list[str], log_path: Path) -> tuple[float, float, int]:
+    """Run `cmd` with its output to `log_path`; returns (wall s, peak summed RSS MiB, processes at peak)."""
+    # Ray reads this at import, before grpo_app's start_ray sets it: without it, Ray sees `uv run` up the
+    # process tree and builds the whole workspace into a fresh venv for its workers (minutes, more memory).
+    env = {**os.environ, "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
+    start = time.perf_counter()
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+        with PeakRSS(proc.pid) as rss:
+            code = proc.wait()
+    if code != 0:
+        raise RuntimeError(f"{cmd[:3]} exited with {code}; see {log_path}:\n{log_path.read_text()[-3000:]}")
+    return time.perf_counter() - start, rss.peak_mib, rss.peak_procs
+
+
+def run_ours(model: Path, work: Path, steps: int) -> dict:
+    log_dir = work / "ours"
+    cmd = [sys.executable, "apps/grpo", "--config", str(CONFIG), f"policy.model_name={model}",
+           f"env.train_data={work / 'prompts.jsonl'}", f"logger.log_dir={log_dir}", f"grpo.max_steps={steps}",
+           f"policy.optimizer.kwargs.lr={LR}", f"generation.max_new_tokens={MAX_NEW}"]
+    logger.info("ours: %s", " ".join(cmd))
+    wall, peak, procs = run_tree(cmd, work / "ours.log")
+    records = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines() if line]
+    return {"wall": wall, "peak": peak, "procs": procs, "records": records}
+
+
+def run_trl(model: Path, work: Path, prompts: list[dict], steps: int, threads: int) -> dict:
+    spec = {"model": str(model), "prompts": prompts, "generations": GENERATIONS, "max_new_tokens": MAX_NEW,
+            "lr": LR, "eps_low": EPS[0], "eps_high": EPS[1], "max_grad_norm": GRAD_NORM, "steps": steps,
+            "seed": 42, "answer_len": ANSWER_LEN, "threads": threads, "output_dir": str(work / "trl-out")}
+    (work / "trl_spec.json").write_text(json.dumps(spec))
+    cmd = [str(trl_python()), str(ROOT / "bench" / "trl_side.py"), str(work / "trl_spec.json"),
+           str(work / "trl_out.json")]
+    logger.info("TRL: %s", " ".join(cmd))
+    wall, peak, procs = run_tree(cmd, work / "trl.log")
+    return {"wall": wall, "peak": peak, "procs": procs, **json.loads((work / "trl_out.json").read_text())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2, help="leading steps left out of the median")
+    parser.add_argument("--skip-trl", action="store_true")
+    args = parser.parse_args()
+    setup_logging()
+    threads = os.cpu_count() or 1  # our trainer gives each colocated actor all cores; TRL gets the same
+    model = bench_model_path()
+    work = Path(tempfile.mkdtemp(prefix="grpo_vs_trl-"))
+    prompts = write_prompts(work)
+    ours = run_ours(model, work, args.steps)
+    trl = None if args.skip_trl else run_trl(model, work, prompts, args.steps, threads)
+    logger.info("logs under %s", work)
+
+    steady = [r for r in ours["records"] if r["step"] >= args.warmup]
+    med = {k: statistics.median(r[k] for r in steady) for k in steady[0] if k.startswith("timing/")}
+    our_len = statistics.mean(r["rollout/gen_len_mean"] for r in ours["records"])
+    rows = [["ours (apps/grpo, DTensor, torch rollout)", med["timing/step_s"], f"{ours['peak']:.0f}",
+             ours["procs"], f"{our_len:.1f}", f"{statistics.mean(r['rollout/reward_mean'] for r in ours['records']):.3f}",
+             f"{ours['wall']:.0f}"]]
+    if trl is not None:
+        trl_step = statistics.median(trl["step_s"][args.warmup:])
+        rows.append(["TRL 1.16 GRPOTrainer", trl_step, f"{trl['peak']:.0f}", trl["procs"],
+                     f"{statistics.mean(trl['completion_len']):.1f}", f"{statistics.mean(trl['reward']):.3f}",
+                     f"{trl['wall']:.0f}"])
+        rows.append(["ratio TRL / ours", f"{trl_step / med['timing/step_s']:.2f}x faster",
+                     f"{trl['peak'] / ours['peak']:.2f}", "", "", "", ""])
+    print(f"\n{PROMPTS} prompts x {GENERATIONS} completions x {MAX_NEW} new tokens, ~12M Qwen2 fp32, "
+          f"median of steps {args.warmup}..{args.steps - 1}\n")
+    print(markdown_table(["side", "median step s", "peak RSS MiB (tree)", "procs", "mean completion len",
+                          "mean reward", "total wall s"], rows))
+    phases = [[k.removeprefix("timing/").removesuffix("_s"), v, f"{100 * v / med['timing/step_s']:.0f}%"]
+              for k, v in sorted(med.items(), key=lambda kv: -kv[1]) if k != "timing/step_s"]
+    print("\nOur per-phase breakdown (median s per step, metrics.jsonl):\n")
+    print(markdown_table(["phase", "s", "share of step"], phases))
+
+
+if __name__ == "__main__":
+    main()

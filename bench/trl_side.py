@@ -1,0 +1,89 @@
+"""TRL's side of bench/grpo_vs_trl.py: TRL 1.16 `GRPOTrainer` on the shared workload, run in the TRL venv.
+
+Not a workspace script: grpo_vs_trl.py runs it as `<venv-trl>/bin/python bench/trl_side.py SPEC.json OUT.json`.
+SPEC holds the model dir, the prompts (with their repeat_char targets) and the training settings; OUT gets
+per-step wall times, mean completion lengths and rewards. The reward is rollout.rewards.toy.repeat_char_reward
+with stop_bonus=0, re-implemented here (this venv does not hold the workspace).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+import torch
+from datasets import Dataset
+from transformers import AutoTokenizer, TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+logger = logging.getLogger("trl_side")
+END_MARKERS = ("</s>", "<|endoftext|>", "<|im_end|>", "<|eot_id|>")
+
+
+def strip_end_markers(text: str) -> str:
+    changed = True
+    while changed:
+        changed = False
+        for marker in END_MARKERS:
+            if text.endswith(marker):
+                text, changed = text[: -len(marker)], True
+    return text
+
+
+def make_reward(answer_len: int):
+    def repeat_char(completions, target, **_):
+        # Same as repeat_char_reward(stop_bonus=0): share of the first answer_len chars equal to the target.
+        return [sum(ch == t for ch in strip_end_markers(c)[:answer_len]) / answer_len
+                for c, t in zip(completions, target)]
+
+    return repeat_char
+
+
+class StepTimer(TrainerCallback):
+    def __init__(self) -> None:
+        self.start, self.seconds = 0.0, []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.seconds.append(time.perf_counter() - self.start)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    spec = json.loads(open(sys.argv[1]).read())
+    torch.set_num_threads(spec["threads"])
+    ds = Dataset.from_dict({"prompt": [p["prompt"] for p in spec["prompts"]],
+                            "target": [p["target"] for p in spec["prompts"]]})
+    n = spec["generations"]
+    cfg = GRPOConfig(
+        output_dir=spec["output_dir"], use_cpu=True, bf16=False, fp16=False, seed=spec["seed"],
+        per_device_train_batch_size=len(spec["prompts"]) * n, num_generations=n, gradient_accumulation_steps=1,
+        max_completion_length=spec["max_new_tokens"], temperature=1.0, top_p=1.0,
+        generation_kwargs={"min_new_tokens": spec["max_new_tokens"]},  # comparable work: full-length completions
+        beta=0.0, loss_type="dapo", epsilon=spec["eps_low"], epsilon_high=spec["eps_high"], num_iterations=1,
+        scale_rewards="group", learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0,
+        weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.99, max_grad_norm=spec["max_grad_norm"],
+        max_steps=spec["steps"], use_vllm=False, logging_steps=1, report_to="none", save_strategy="no",
+        dataloader_num_workers=0, disable_tqdm=True,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+    timer = StepTimer()
+    trainer = GRPOTrainer(model=spec["model"], reward_funcs=make_reward(spec["answer_len"]), args=cfg,
+                          train_dataset=ds, processing_class=tokenizer, callbacks=[timer])
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    out = {"step_s": timer.seconds, "torch": torch.__version__,
+           "completion_len": [h.get("completions/mean_length") for h in logs],
+           "reward": [h.get("reward") for h in logs],
+           "params": sum(p.numel() for p in trainer.model.parameters())}
+    with open(sys.argv[2], "w") as f:
+        json.dump(out, f)
+    logger.info("TRL steps: %s", [round(s, 2) for s in timer.seconds])
+
+
+if __name__ == "__main__":
+    main()
