@@ -188,7 +188,7 @@ def train(run: Run, start_step: int = 0) -> None:
             last_val = metrics = validate(run, step)
         metrics.update(grpo_step(run, step))
         run.sink.log(step, metrics)
-        bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}", loss=f"{metrics.get('train/loss', 0):.4f}")
+        bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}", loss=f"{metrics.get('train/loss', 0):.2e}")
         done = step + 1 == cfg.max_steps
         if done and cfg.val_every:
             last_val = validate(run, step + 1)
