@@ -1,13 +1,15 @@
 """Padded vs packed training pass through the real DTensorEngine on a long-tailed length mix.
 
-    uv run bench/packing.py [--seqs 64] [--median 96] [--max-len 1024] [--mb-tokens 2048] [--repeats 3]
+    uv run bench/packing.py [--seqs 64] [--median 96] [--max-len 1024] [--mb-tokens 2048] [--mb-seqs 8] [--repeats 3]
 
-Both runs use the ~12M Qwen2 benchmark model (bench/_common.py), fp32, the same batch and the same
-per-micro-batch token budget. Padded = `dynamic_batching` (micro-batches cut by a padded-token budget, each
-row padded to its micro-batch's longest, lengths rounded to 16); packed = `sequence_packing` (mffd bins, one
-row per bin, block-diagonal causal mask). "Tokens processed" counts every position fed to the model
-(padding included) with a forward pre-hook; time is the median wall time of `engine.train_batch` after one
-warm-up call. The ratios are measured in the same process, one right after the other.
+All runs use the ~12M Qwen2 benchmark model (bench/_common.py), fp32 and the same batch. seqpack sorts a
+padded batch by decreasing length before cutting it. Padded, fixed = `train_micro_batch_size` (--mb-seqs)
+sequences per micro-batch, each row padded to its micro-batch's longest (the engines' batching without a
+token budget). Padded, dynamic = `dynamic_batching` (micro-batches cut by a padded-token budget, lengths
+rounded to 16). Packed = `sequence_packing` (mffd bins, one row per bin, block-diagonal causal mask).
+"Tokens processed" counts every position fed to the model (padding included) with a forward pre-hook;
+time is the median wall time of `engine.train_batch` after one warm-up call.
+The three runs are measured in the same process, one right after the other.
 """
 
 from __future__ import annotations
@@ -27,11 +29,14 @@ from _common import (bench_model_path, count_model_tokens, long_tail_lengths, ma
 logger = logging.getLogger("bench.packing")
 
 
-def run(model, lengths: list[int], *, packing: bool, mb_tokens: int, repeats: int) -> dict:
+def run(model, lengths: list[int], *, mode: str, mb_tokens: int, mb_seqs: int, repeats: int) -> dict:
     from rl_core.losses import ClippedPGLoss
     from rl_core.registry import create_engine
 
-    engine = create_engine(policy_config(model, packing=packing, mb_tokens=mb_tokens))
+    # "fixed": micro-batches of mb_seqs (length-sorted) sequences, each padded to its longest (no budget).
+    extra = ({"dynamic_batching": {"enabled": False}, "train_micro_batch_size": mb_seqs,
+              "logprob_batch_size": mb_seqs} if mode == "fixed" else {})
+    engine = create_engine(policy_config(model, packing=mode == "packed", mb_tokens=mb_tokens, **extra))
     vocab = engine.model.config.vocab_size
     batch = make_batch(lengths, vocab, seed=0)
     batch = batch.with_fields(prev_logprobs=engine.compute_logprobs(batch))
@@ -43,7 +48,7 @@ def run(model, lengths: list[int], *, packing: bool, mb_tokens: int, repeats: in
         start = time.perf_counter()
         metrics = engine.train_batch(batch, loss)
         times.append(time.perf_counter() - start)
-    logger.info("%s: %s s", "packed" if packing else "padded", [round(t, 2) for t in times])
+    logger.info("%s: %s s", mode, [round(t, 2) for t in times])
     out = {"tokens": seen[0] // repeats, "median_s": statistics.median(times), "times": times,
            "micro_batches": int(metrics["num_micro_batches"])}
     del engine
@@ -57,6 +62,7 @@ def main() -> None:
     parser.add_argument("--median", type=int, default=96)
     parser.add_argument("--max-len", type=int, default=1024)
     parser.add_argument("--mb-tokens", type=int, default=2048)
+    parser.add_argument("--mb-seqs", type=int, default=8, help="sequences per micro-batch of the fixed layout")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     setup_logging()
@@ -66,14 +72,19 @@ def main() -> None:
     real = sum(lengths)
     logger.info("lengths: %d seqs, %d tokens, mean %.0f, max %d", len(lengths), real, real / len(lengths),
                 max(lengths))
-    padded = run(model, lengths, packing=False, mb_tokens=args.mb_tokens, repeats=args.repeats)
-    packed = run(model, lengths, packing=True, mb_tokens=args.mb_tokens, repeats=args.repeats)
+    kw = {"mb_tokens": args.mb_tokens, "mb_seqs": args.mb_seqs, "repeats": args.repeats}
+    fixed = run(model, lengths, mode="fixed", **kw)
+    padded = run(model, lengths, mode="dynamic", **kw)
+    packed = run(model, lengths, mode="packed", **kw)
     rows = []
-    for name, r in (("padded (dynamic_batching)", padded), ("packed (sequence_packing, mffd)", packed)):
+    for name, r in ((f"padded, {args.mb_seqs} seqs per micro-batch", fixed),
+                    ("padded, dynamic_batching (token budget)", padded),
+                    ("packed (sequence_packing, mffd)", packed)):
         rows.append([name, real, r["tokens"], f"{100 * (1 - real / r['tokens']):.0f}%", r["micro_batches"],
                      r["median_s"], f"{real / r['median_s']:.0f}"])
-    rows.append(["padded / packed", "", f"{padded['tokens'] / packed['tokens']:.2f}x fewer tokens", "", "",
-                 f"{padded['median_s'] / packed['median_s']:.2f}x faster", ""])
+    for name, r in (("fixed-count padded / packed", fixed), ("dynamic padded / packed", padded)):
+        rows.append([name, "", f"{r['tokens'] / packed['tokens']:.2f}x fewer tokens", "", "",
+                     f"{r['median_s'] / packed['median_s']:.2f}x faster", ""])
     print(f"\ntrain_batch on {len(lengths)} sequences, lognormal lengths (median {args.median}, "
           f"mean {real / len(lengths):.0f}, max {max(lengths)}), {args.mb_tokens}-token micro-batches, "
           f"~12M Qwen2 fp32, {torch.get_num_threads()} threads, median of {args.repeats}\n")
