@@ -122,8 +122,8 @@ def main() -> None:
         rows.append(["TRL 1.16 GRPOTrainer", trl_step, f"{trl['peak']:.0f}", trl["procs"],
                      f"{statistics.mean(trl['completion_len']):.1f}", f"{statistics.mean(trl['reward']):.3f}",
                      f"{trl['wall']:.0f}"])
-        rows.append(["ratio TRL / ours", f"{trl_step / med['timing/step_s']:.2f}x faster",
-                     f"{trl['peak'] / ours['peak']:.2f}", "", "", "", ""])
+        rows.append(["ours vs TRL", f"{trl_step / med['timing/step_s']:.2f}x speed-up (TRL s / ours s)",
+                     f"{ours['peak'] / trl['peak']:.2f}x memory (ours / TRL)", "", "", "", ""])
     print(f"\n{PROMPTS} prompts x {GENERATIONS} completions x {MAX_NEW} new tokens, ~12M Qwen2 fp32, "
           f"median of steps {args.warmup}..{args.steps - 1}\n")
     print(markdown_table(["side", "median step s", "peak RSS MiB (tree)", "procs", "mean completion len",

@@ -1,12 +1,13 @@
 """Model FLOPs utilisation of a DTensorEngine training pass against this machine's measured GEMM rate.
 
-    uv run bench/mfu.py [--threads 2] [--seqs 64] [--seq-len 133] [--mb-tokens 4096] [--repeats 3] [--profile]
+    uv run bench/mfu.py [--layout padded|packed] [--seqs 64] [--seq-len 133] [--mb-tokens 4096] [--profile]
 
 1. GEMM rate: median time of square `torch.mm` (n = 2048, fp32 and bf16) on `--threads` threads,
    2 n^3 FLOPs each.
 2. Training pass: `engine.train_batch` (forward, backward, AdamW step) of the ~12M Qwen2 benchmark model
    (bench/_common.py) on the GRPO benchmark's batch shape (64 rows of 5 prompt + 128 completion tokens),
-   fp32, packed, median wall time after one warm-up call.
+   fp32, padded micro-batches of --mb-tokens (`dynamic_batching`, the GRPO bench config) or packed ones
+   (`sequence_packing`), median wall time after one warm-up call.
    Model FLOPs per pass = 6 * N * T + 12 * L * d * sum_i(len_i^2), with N the parameters that take part in
    matmuls (all but the input embedding), T the real tokens, L layers, d hidden size, len_i the sequence
    lengths (the PaLM convention: QK^T and AV, forward + backward, causal masking not halved). Padding and
@@ -68,6 +69,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=133, help="5 prompt + 128 completion tokens")
     parser.add_argument("--mb-tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--layout", choices=["padded", "packed"], default="padded")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     setup_logging()
@@ -78,7 +80,8 @@ def main() -> None:
     from rl_core.losses import ClippedPGLoss
     from rl_core.registry import create_engine
 
-    engine = create_engine(policy_config(bench_model_path(), packing=True, mb_tokens=args.mb_tokens))
+    engine = create_engine(policy_config(bench_model_path(), packing=args.layout == "packed",
+                                         mb_tokens=args.mb_tokens))
     torch.set_num_threads(args.threads)  # engine creation may reset the thread count
     lengths = [args.seq_len] * args.seqs
     batch = make_batch(lengths, engine.model.config.vocab_size, seed=0)
@@ -94,7 +97,7 @@ def main() -> None:
     flops, n_matmul = model_flops(engine.model, lengths)
     achieved = flops / step
     print(f"\n~12M Qwen2 (N = {n_matmul / 1e6:.2f}M matmul params), train_batch on {args.seqs} x {args.seq_len} "
-          f"tokens, packed into {args.mb_tokens}-token micro-batches, fp32, {args.threads} threads, "
+          f"tokens, {args.layout} {args.mb_tokens}-token micro-batches, fp32, {args.threads} threads, "
           f"median of {args.repeats}\n")
     rows = [["GEMM fp32 (2048^3 mm)", f"{rates['fp32'] / 1e9:.1f}", ""],
             ["GEMM bf16 (2048^3 mm)", f"{rates['bf16'] / 1e9:.1f}", ""],
