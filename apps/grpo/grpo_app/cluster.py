@@ -28,9 +28,6 @@ def start_ray(cfg: GRPOConfig) -> None:
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    # Under `uv run`, Ray would rebuild the workspace in a fresh venv per worker; the driver's venv is
-    # already the right environment for every worker on this machine.
-    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     if cfg.cluster.address:
         logger.info("joining Ray cluster at %s", cfg.cluster.address)
         ray.init(address=cfg.cluster.address, log_to_driver=True)
