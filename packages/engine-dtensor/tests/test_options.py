@@ -158,7 +158,7 @@ def test_flash_attention_varlen_packing_on_gpu(ckpt) -> None:
 def test_attention_kernel_choice() -> None:
     from engine_dtensor.engine import resolve_attn_implementation
 
-    assert resolve_attn_implementation("auto", torch.device("cpu"), "bfloat16") == "sdpa"
+    assert resolve_attn_implementation("auto", torch.device("cpu"), "bfloat16") == "sdpa_segments"
     assert resolve_attn_implementation("eager", torch.device("cpu"), "float32") == "eager"
     with pytest.raises(ValueError, match=r"needs CUDA and flash-attn"):
         resolve_attn_implementation("flash_attention_2", torch.device("cpu"), "bfloat16")

@@ -16,7 +16,12 @@ from rl_core.testing.distributed import run_distributed
 LAYOUTS = {
     "one-at-a-time": {"train_micro_batch_size": 1, "logprob_batch_size": 1},
     "padded": {"train_micro_batch_size": 8, "logprob_batch_size": 8},
+    # the default on CPU: sdpa_segments, one causal sdpa per packed sequence
     "packed": {"sequence_packing": {"enabled": True, "train_mb_tokens": 256, "logprob_mb_tokens": 256}},
+    "packed sdpa mask": {
+        "sequence_packing": {"enabled": True, "train_mb_tokens": 256, "logprob_mb_tokens": 256},
+        "dtensor_cfg": {"attn_implementation": "sdpa"},
+    },
     # eager attention adds the mask to the scores: the engine must hand it an additive float mask
     "packed eager": {
         "sequence_packing": {"enabled": True, "train_mb_tokens": 256, "logprob_mb_tokens": 256},
@@ -50,8 +55,8 @@ def test_packed_equals_padded_equals_one_at_a_time(ckpt, arch: str) -> None:
         for name, cfg in LAYOUTS.items()
     }
     ref_lp, ref_grads, _ = runs["one-at-a-time"]
-    assert [n for *_, n in runs.values()] == [8, 1, 1, 1]  # the layouts really differ
-    for name in ("padded", "packed", "packed eager"):
+    assert [n for *_, n in runs.values()] == [8, 1, 1, 1, 1]  # the layouts really differ
+    for name in ("padded", "packed", "packed sdpa mask", "packed eager"):
         lp_diff = assert_layout_close(runs[name][0], ref_lp)
         grad_diff = assert_layout_close(runs[name][1], ref_grads)
         print(f"{arch} {name} vs one-at-a-time: max|dlogprob| = {lp_diff:.2e}, max|dgrad| = {grad_diff:.2e}")

@@ -13,7 +13,7 @@ from typing import Literal
 from rl_core.config import ConfigError, PolicyConfig, parse_config
 
 Precision = Literal["float32", "bfloat16"]
-AttnImplementation = Literal["auto", "sdpa", "eager", "flash_attention_2"]
+AttnImplementation = Literal["auto", "sdpa_segments", "sdpa", "eager", "flash_attention_2"]
 
 
 @dataclass(kw_only=True)
@@ -26,7 +26,8 @@ class DTensorConfig:
     cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: sharded params, grads and optimizer state on host
     precision: Precision | None = None  # None: use policy.precision
     compile: bool = False  # torch.compile each decoder layer
-    # "auto": flash_attention_2 on CUDA in bf16 when flash-attn imports (varlen packing), else sdpa.
+    # "auto": flash_attention_2 on CUDA in bf16 when flash-attn imports (varlen packing), else
+    # sdpa_segments (one sdpa per packed sequence). "sdpa": a block-diagonal mask over the packed row.
     attn_implementation: AttnImplementation = "auto"
 
     def __post_init__(self) -> None:

@@ -23,6 +23,7 @@ from torch import Tensor
 
 import seqpack
 from engine_dtensor import checkpoint
+from engine_dtensor.attention import SEGMENT_SDPA
 from engine_dtensor.config import DTensorConfig
 from engine_dtensor.forward import build_packed_inputs, build_padded_inputs, forward_logprobs
 from engine_dtensor.optim import build_optimizer, build_scheduler, clip_grads_
@@ -50,7 +51,8 @@ def init_distributed() -> torch.device:
 
 
 def resolve_attn_implementation(requested: str, device: torch.device, precision: str) -> str:
-    """flash_attention_2 (varlen packing) on CUDA with flash-attn and bf16, else sdpa (block-diag mask)."""
+    """flash_attention_2 (varlen packing) on CUDA with flash-attn and bf16, else sdpa_segments (one sdpa
+    per packed sequence; HF's sdpa for padded rows)."""
     has_flash = importlib.util.find_spec("flash_attn") is not None
     if requested == "flash_attention_2":
         if not (has_flash and device.type == "cuda"):
@@ -67,8 +69,8 @@ def resolve_attn_implementation(requested: str, device: torch.device, precision:
         return requested
     if device.type == "cuda" and has_flash and precision == "bfloat16":
         return "flash_attention_2"
-    logger.info("attention: sdpa (packed sequences use a block-diagonal mask, not flash-attn varlen)")
-    return "sdpa"
+    logger.info("attention: %s (packed sequences: one causal sdpa each, not flash-attn varlen)", SEGMENT_SDPA)
+    return SEGMENT_SDPA
 
 
 def load_hf_model(path: str, attn_impl: str) -> torch.nn.Module:

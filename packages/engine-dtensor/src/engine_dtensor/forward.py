@@ -2,8 +2,9 @@
 
 Owns the attention-input layout for each kernel:
   * padded rows (B, S): right padding, a causal + key-padding mask;
-  * packed row (1, T) built with seqpack: position ids restart per sequence; sdpa/eager get a 4-D
-    block-diagonal causal mask (eager needs it additive: a bool mask is silently wrong there),
+  * packed row (1, T) built with seqpack: position ids restart per sequence; sdpa_segments (the CPU
+    default, attention.py) gets the sequence boundaries as `cu_seq_lens_q` and no mask, sdpa/eager get
+    a 4-D block-diagonal causal mask (eager needs it additive: a bool mask is silently wrong there),
     flash_attention_2 gets no mask and finds the sequence boundaries from the position ids (varlen).
 and the alignment of the results with the tokens (rl_core.batch): logprobs[t] = log p(tok_t | <t),
 0 at t = 0 of every sequence, including the first token of each packed sequence. Does not own
@@ -14,13 +15,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 import seqpack
+from engine_dtensor.attention import SEGMENT_SDPA
 from engine_dtensor.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
 from rl_core.logprobs import shift_align
 
@@ -33,6 +35,7 @@ class ModelInputs:
         Tensor | None
     )  # (B, S) for flash padded, (B, 1, S, S) for sdpa/eager, None for flash packed
     unpack: Callable[[Tensor], list[Tensor]]  # (B, S) per-token values -> [(L_i,)] in the micro-batch's order
+    attention_kwargs: dict[str, Tensor] = field(default_factory=dict)  # passed through to the attention
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -78,8 +81,11 @@ def build_packed_inputs(
 ) -> ModelInputs:
     """One packed row (1, T) with per-sequence position ids; T is padded to `seq_multiple`."""
     row, layout = seqpack.pack([s.long().cpu() for s in seqs], total_multiple=seq_multiple, pad_value=0)
-    mask = None
-    if attn_impl != "flash_attention_2":
+    mask, kwargs = None, {}
+    if attn_impl == SEGMENT_SDPA:  # each sequence with its padding is one segment; the tail is the last
+        ends = layout.cu_seqlens_padded.tolist() + ([layout.total_len] if layout.tail_len else [])
+        kwargs["cu_seq_lens_q"] = torch.tensor(ends, dtype=torch.int32, device=device)
+    elif attn_impl != "flash_attention_2":
         mask = _kernel_mask(seqpack.block_causal_mask(layout)[None], attn_impl).to(device)
 
     def unpack(values: Tensor) -> list[Tensor]:
@@ -87,7 +93,7 @@ def build_packed_inputs(
         # sequence: nothing predicts a first token, so it is 0 by convention (and gets no gradient).
         return [torch.cat([x.new_zeros(1), x[1:]]) for x in seqpack.unpack(values[0], layout)]
 
-    return ModelInputs(row[None].to(device), layout.position_ids[None].to(device), mask, unpack)
+    return ModelInputs(row[None].to(device), layout.position_ids[None].to(device), mask, unpack, kwargs)
 
 
 def forward_logprobs(
@@ -99,6 +105,7 @@ def forward_logprobs(
         attention_mask=inputs.attention_mask,
         position_ids=inputs.position_ids,
         use_cache=False,
+        **inputs.attention_kwargs,
     ).logits  # (B, S, V), or a DTensor sharded on V under TP
     group, vocab_start = None, 0
     if isinstance(logits, DTensor):  # column-parallel lm_head: this rank holds one vocab slice

@@ -1,0 +1,65 @@
+"""sdpa_segments: per-sequence causal attention over a packed row, checked against a float64 softmax."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from engine_dtensor.attention import segment_sdpa_forward
+from engine_dtensor.forward import build_packed_inputs
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int], window: int | None) -> torch.Tensor:
+    """Explicit scores / causal block mask / softmax in float64, GQA by repeating kv heads."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    t = q.shape[2]
+    seg = torch.zeros(t, dtype=torch.long)
+    for i, (s, e) in enumerate(zip(cu[:-1], cu[1:])):
+        seg[s:e] = i
+    allowed = (seg[:, None] == seg[None, :]) & torch.ones(t, t, dtype=torch.bool).tril()
+    if window is not None:  # key j visible from query i iff i - window < j <= i
+        allowed &= torch.ones(t, t, dtype=torch.bool).triu(-(window - 1))
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return (probs @ v).transpose(1, 2)  # (1, T, H, D)
+
+
+@pytest.mark.parametrize("window", [None, 4, 100])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2)])
+def test_segment_attention_matches_float64_reference(heads: int, kv_heads: int, window: int | None) -> None:
+    torch.manual_seed(0)
+    cu = [0, 5, 6, 19, 32]  # includes a 1-token segment
+    q = torch.randn(1, heads, 32, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, kv_heads, 32, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, kv_heads, 32, 8, dtype=torch.float64, requires_grad=True)
+    module = nn.Module().eval()
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    out, _ = segment_sdpa_forward(module, q, k, v, None, cu_seq_lens_q=cu_t, sliding_window=window)
+    ref = _reference(q, k, v, cu, window)
+    assert out.shape == (1, 32, heads, 8)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    seed = torch.Generator().manual_seed(1)
+    weight = torch.randn(out.shape, generator=seed, dtype=torch.float64)
+    grads = torch.autograd.grad((out * weight).sum(), (q, k, v))
+    ref_grads = torch.autograd.grad((ref * weight).sum(), (q, k, v))
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-10)
+
+
+def test_segments_must_cover_the_row() -> None:
+    q = torch.zeros(1, 2, 10, 4)
+    with pytest.raises(ValueError, match=r"cu_seq_lens_q ends at 8"):
+        segment_sdpa_forward(nn.Module(), q, q, q, None, cu_seq_lens_q=torch.tensor([0, 3, 8]))
+
+
+def test_packed_inputs_give_segments_not_a_mask() -> None:
+    """Each sequence with its padding is one segment and the tail padding is the last one."""
+    seqs = [torch.arange(5), torch.arange(3), torch.arange(6)]
+    inputs = build_packed_inputs(seqs, attn_impl="sdpa_segments", seq_multiple=4, device=torch.device("cpu"))
+    assert inputs.attention_mask is None
+    assert inputs.attention_kwargs["cu_seq_lens_q"].tolist() == [0, 5, 8, 14, 16]
+    assert inputs.input_ids.shape == (1, 16)
