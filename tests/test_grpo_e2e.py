@@ -50,6 +50,8 @@ def test_few_steps_through_ray(tmp_path, engine):
     overrides = ["grpo.max_steps=3", "grpo.val_every=2", "checkpointing.save_every=2"]
     if engine == "megatron":
         overrides.append("policy.megatron_cfg.enabled=true")
+    else:  # the driver scores (no reward actor); the Megatron run and the default run use the actor
+        overrides.append("env.num_workers=0")
     records = run_grpo(tmp_path / "run", *overrides)
     steps = train_records(records)
     assert sorted(steps) == [0, 1, 2]

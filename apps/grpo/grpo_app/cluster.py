@@ -19,6 +19,7 @@ from grpo_app.config import GRPOConfig
 from grpo_app.workers import GenerationWorker, PolicyWorker, RewardWorker, free_port
 from rl_core.batch import TokenBatch
 from rl_core.interfaces import Completion, RewardRequest, RewardResult, SamplingParams
+from rollout.environments import create_environment
 from seqpack import balance_partitions
 
 logger = logging.getLogger(__name__)
@@ -110,14 +111,15 @@ class Workers:
         ]
         self.rewarders = [RewardWorker.options(num_cpus=0).remote(cfg.env.name, cfg.env.kwargs)
                           for _ in range(cfg.env.num_workers)]
+        self.local_env = None if self.rewarders else create_environment(cfg.env.name, **cfg.env.kwargs)
         self.dp_layout = ray.get([w.layout.remote() for w in self.policy])  # (dp_rank, dp_size) per rank
         self.dp_size = self.dp_layout[0][1]
         host, port = placement.rendezvous(0)  # refit group: policy rank 0 sends, generators receive
         refit_world = 1 + len(self.generators)
         ray.get([w.join_refit.remote(host, port, refit_world) for w in self.policy]
                 + [g.join_refit.remote(host, port, i + 1, refit_world) for i, g in enumerate(self.generators)])
-        logger.info("workers up: %d policy ranks (dp=%d), %d generation, %d reward", world, self.dp_size,
-                    len(self.generators), len(self.rewarders))
+        logger.info("workers up: %d policy ranks (dp=%d), %d generation, %s", world, self.dp_size,
+                    len(self.generators), f"{len(self.rewarders)} reward" if self.rewarders else "rewards in the driver")
 
     # ---- policy --------------------------------------------------------------------------------------
     def _shards(self, batch: TokenBatch) -> list[list[int]]:
@@ -176,9 +178,13 @@ class Workers:
         return out
 
     def score(self, requests: list[RewardRequest]) -> list[RewardResult]:
+        if self.local_env is not None:
+            return self.local_env.score(requests)
         parts = _split(requests, len(self.rewarders))
         return [r for part in ray.get([w.score.remote(p) for w, p in zip(self.rewarders, parts) if p]) for r in part]
 
     def shutdown(self) -> None:
         for actor in (*self.policy, *self.generators, *self.rewarders):
             ray.kill(actor)
+        if hasattr(self.local_env, "close"):  # stop its scoring subprocesses (Environment has no close())
+            self.local_env.close()

@@ -68,7 +68,9 @@ class EnvConfig:
 
     name: str = "repeat_char"
     kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the environment
-    num_workers: int = 1  # reward worker actors (each with its own scoring subprocess pool)
+    # reward worker actors (each with its own scoring subprocess pool); 0: the driver hosts the environment
+    # (its subprocess pool still isolates the reward code), one process less for cheap rewards
+    num_workers: int = 1
     # Prompts: local JSONL/Parquet files, or (for a built-in task, when unset) the task's own generator.
     train_data: str | None = None
     val_data: str | None = None
@@ -77,6 +79,10 @@ class EnvConfig:
     system_prompt: str | None = None
     num_generated_train_prompts: int = 4096
     prompt_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the built-in prompt generator
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 0:
+            raise ConfigError(f"env.num_workers must be >= 0 (0: score in the driver); got {self.num_workers}")
 
 
 @dataclass(kw_only=True)

@@ -120,6 +120,12 @@ def sample_groups(run: Run, step: int, timer: PhaseTimer):
     return prompts, completions, torch.cat(rewards), results
 
 
+def on_policy(cfg: GRPOConfig, num_samples: int) -> bool:
+    """One optimizer step per batch: the weights that train on it are the ones that would score prev
+    logprobs, so the separate logprob pass is skipped (ClippedPGLoss uses its forward's, detached)."""
+    return num_samples <= cfg.policy.train_global_batch_size
+
+
 def grpo_step(run: Run, step: int) -> dict[str, float]:
     cfg, timer = run.cfg, PhaseTimer()
     start = time.perf_counter()
@@ -129,7 +135,8 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
                                  leave_one_out=cfg.grpo.leave_one_out, clip=cfg.grpo.advantage_clip)
     batch = build_batch(prompts, completions, advantages, cfg.grpo.overlong_filtering)
     with timer("logprobs"):
-        batch = batch.with_fields(prev_logprobs=run.workers.compute_logprobs(batch))
+        if not on_policy(run.cfg, len(batch)):  # on-policy, the loss takes prev from its own forward
+            batch = batch.with_fields(prev_logprobs=run.workers.compute_logprobs(batch))
         if cfg.loss.kl_coef:
             batch = batch.with_fields(ref_logprobs=run.workers.compute_logprobs(batch, reference=True))
     with timer("train"):
@@ -182,6 +189,8 @@ def train(run: Run, start_step: int = 0) -> None:
     bar = tqdm(range(start_step, cfg.max_steps), initial=start_step, total=cfg.max_steps, desc="GRPO",
                disable=not run.cfg.logger.progress_bar)
     last_val: dict[str, float] = {}
+    if on_policy(run.cfg, cfg.num_prompts_per_step * cfg.num_generations_per_prompt):
+        logger.info("one optimizer step per batch (on-policy): prev logprobs come from the training forward")
     for step in bar:
         metrics = {}
         if cfg.val_every and step % cfg.val_every == 0:

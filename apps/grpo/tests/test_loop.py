@@ -1,11 +1,12 @@
-"""The loop's data plumbing with stand-in workers: batch layout and DAPO dynamic sampling refills."""
+"""The loop's data plumbing with stand-in workers: batch layout, DAPO dynamic sampling refills, and when
+the separate prev-logprob pass runs."""
 
 from __future__ import annotations
 
 import torch
 
 from grpo_app.config import load_config
-from grpo_app.loop import PhaseTimer, Run, build_batch, sample_groups
+from grpo_app.loop import PhaseTimer, Run, build_batch, grpo_step, sample_groups
 from grpo_app.prompts import PromptSource
 from rl_core.interfaces import Completion, RewardResult
 from rollout.datasets import PromptExample
@@ -20,6 +21,20 @@ class StubWorkers:
 
     def score(self, requests):
         return [RewardResult(reward=float(r.metadata["odd"]) * (k % 2)) for k, r in enumerate(requests)]
+
+    def __init__(self):
+        self.logprob_calls, self.trained = [], []
+
+    def compute_logprobs(self, batch, reference=False):
+        self.logprob_calls.append(reference)
+        return [torch.zeros(len(ids)) for ids in batch.input_ids]
+
+    def train(self, batch, loss_fn):
+        self.trained.append(batch)
+        return {"loss": 0.0}
+
+    def refit(self):
+        return 0
 
 
 class StubTokenizer:
@@ -58,3 +73,13 @@ def test_batch_rows_masks_and_logprobs_are_aligned():
     assert torch.allclose(batch.gen_logprobs[0], torch.tensor([0, 0, 0, -0.1, -0.2]))
     assert batch.advantages[0].tolist() == [1.5] * 5
     assert batch.loss_mask[1].sum() == 0  # truncated and overlong filtering is on: no loss
+
+
+def test_prev_logprob_pass_runs_only_with_several_optimizer_steps_per_batch():
+    on_policy = make_run()  # 6 samples, train_global_batch_size 6: one optimizer step
+    grpo_step(on_policy, 0)
+    assert on_policy.workers.logprob_calls == [] and on_policy.workers.trained[0].prev_logprobs is None
+    off_policy = make_run("policy.train_global_batch_size=2", "loss.kl_coef=0.1")  # 3 steps: weights move
+    grpo_step(off_policy, 0)
+    assert off_policy.workers.logprob_calls == [False, True]  # prev, then the reference
+    assert off_policy.workers.trained[0].prev_logprobs is not None

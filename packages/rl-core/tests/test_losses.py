@@ -155,8 +155,35 @@ def test_dual_clip_must_exceed_one():
         LossConfig(dual_clip=0.5)
 
 
-def test_loss_requires_advantages_and_prev_logprobs():
+def test_loss_requires_advantages():
     inputs = LossInputs(logprobs=torch.zeros(2), mask=torch.ones(2), seq_ids=torch.zeros(2, dtype=torch.long),
                         num_valid_tokens=2, num_valid_seqs=1)
     with pytest.raises(ValueError, match="advantages"):
         ClippedPGLoss()(inputs)
+
+
+@pytest.mark.parametrize("agg", AGGS)
+def test_without_prev_logprobs_the_loss_is_on_policy(agg):
+    """prev_logprobs=None: the policy gradient at ratio 1 (pure-Python formula), IS against the training
+    forward's logprobs, and the same loss/grads as passing those logprobs as prev explicitly."""
+    lp = torch.tensor([-1.0, -0.5, -2.0, -0.1, -3.0], dtype=torch.float64, requires_grad=True)
+    adv = torch.tensor([1.0, 1.0, 1.0, -2.0, -2.0], dtype=torch.float64)
+    mask = torch.tensor([0.0, 1.0, 1.0, 1.0, 1.0], dtype=torch.float64)
+    gen = torch.tensor([-1.0, -0.4, -2.5, -0.1, -2.0], dtype=torch.float64)
+    seq = torch.tensor([0, 0, 0, 1, 1])
+    cfg = LossConfig(agg=agg)
+    cfg.importance.enabled = True
+    inputs = LossInputs(logprobs=lp, mask=mask, seq_ids=seq, num_valid_tokens=4, num_valid_seqs=2,
+                        advantages=adv, gen_logprobs=gen)
+    loss, metrics = ClippedPGLoss(cfg)(inputs)
+    loss.backward()
+    w = [math.exp(a - b) for a, b in zip(lp.tolist(), gen.tolist())]  # token IS weight prev/gen, prev = lp
+    per_token = {"token-mean": [1 / 4] * 5, "seq-mean-token-mean": [1 / (2 * 2)] * 3 + [1 / (2 * 2)] * 2,
+                 "seq-mean-token-sum": [1 / 2] * 5}[agg]
+    want = [-a * m * wi * c for a, m, wi, c in zip(adv.tolist(), mask.tolist(), w, per_token)]
+    assert lp.grad.tolist() == pytest.approx(want, rel=1e-12, abs=1e-12)
+    assert float(metrics["clip_fraction"]) == 0.0
+    explicit = LossInputs(**{**vars(inputs), "logprobs": lp.detach().clone().requires_grad_(True),
+                             "prev_logprobs": lp.detach().clone()})
+    loss2, _ = ClippedPGLoss(cfg)(explicit)
+    assert float(loss2) == pytest.approx(float(loss), abs=1e-15)

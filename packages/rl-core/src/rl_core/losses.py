@@ -151,20 +151,27 @@ class LossConfig:
 
 
 class ClippedPGLoss:
-    """The configured GRPO loss as an engine `LossFn`: `loss, metrics = loss_fn(inputs)`."""
+    """The configured GRPO loss as an engine `LossFn`: `loss, metrics = loss_fn(inputs)`.
+
+    Without `prev_logprobs` the batch is taken to be on-policy (one optimizer step per batch, the
+    weights that train on it are the ones it is scored under): prev = the training forward's own
+    logprobs, detached, so r = 1 exactly and no separate logprob pass is needed (as verl does when
+    there is one mini-batch and one epoch). The caller must only leave it out in that case.
+    """
 
     def __init__(self, cfg: LossConfig | None = None) -> None:
         self.cfg = cfg or LossConfig()
 
     def __call__(self, inputs: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
         cfg = self.cfg
-        if inputs.advantages is None or inputs.prev_logprobs is None:
-            raise ValueError("ClippedPGLoss needs TokenBatch.advantages and TokenBatch.prev_logprobs")
+        if inputs.advantages is None:
+            raise ValueError("ClippedPGLoss needs TokenBatch.advantages")
+        prev = inputs.logprobs.detach() if inputs.prev_logprobs is None else inputs.prev_logprobs
         metrics: dict[str, Tensor] = {}
         is_weights = None
         if inputs.gen_logprobs is not None:
             weights, is_metrics = importance_weights(
-                inputs.prev_logprobs,
+                prev,
                 inputs.gen_logprobs,
                 inputs.mask,
                 inputs.seq_ids,
@@ -179,7 +186,7 @@ class ClippedPGLoss:
                 is_weights = weights
         loss, pg_metrics = clipped_pg_loss(
             inputs.logprobs,
-            inputs.prev_logprobs,
+            prev,
             inputs.advantages,
             inputs.mask,
             inputs.seq_ids,
