@@ -1,4 +1,4 @@
-"""Shared pieces of the bench scripts: the benchmark model, a process-tree peak-RSS sampler, markdown tables.
+"""Shared pieces of the bench scripts: the benchmark model, a process-tree peak RSS/PSS sampler, markdown tables.
 
 The benchmark model is one Qwen2-architecture checkpoint (~12M parameters, head_dim 64, the char-level
 tokenizer of `rl_core.testing.tiny_models`) built locally and cached, so every script measures the same
@@ -40,13 +40,27 @@ def count_params(model: Any) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-class PeakRSS:
-    """Peak of the summed RSS of a process and all its descendants, sampled in a thread every `interval` s."""
+def _pss_bytes(pid: int) -> int:
+    """Proportional set size: private pages plus each shared page divided by the processes mapping it."""
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
-    def __init__(self, pid: int, interval: float = 0.05) -> None:
+
+class PeakMemory:
+    """Peaks of the summed RSS and PSS of a process and all its descendants, sampled in a thread.
+
+    RSS counts a shared library page once per process that maps it (13 processes importing torch count
+    libtorch 13 times); PSS splits each shared page among its users, so the tree's PSS is the memory the
+    tree really holds. `peak_procs`: (name, RSS MiB) of each process at the RSS peak.
+    """
+
+    def __init__(self, pid: int, interval: float = 0.1) -> None:
         self.pid, self.interval = pid, interval
-        self.peak_bytes = 0
-        self.peak_procs = 0
+        self.peak_bytes = self.peak_pss_bytes = 0
+        self.peak_procs: list[tuple[str, float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -56,21 +70,26 @@ class PeakRSS:
             procs = [root, *root.children(recursive=True)]
         except psutil.NoSuchProcess:
             return
-        total = 0
+        total = pss = 0
+        seen = []
         for proc in procs:
             try:
-                total += proc.memory_info().rss
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                rss = proc.memory_info().rss
+                pss += _pss_bytes(proc.pid)
+                seen.append((proc.name(), rss / 2**20))
+                total += rss
+            except (psutil.NoSuchProcess, psutil.AccessDenied, FileNotFoundError, ProcessLookupError):
                 continue  # a process that exited between the listing and the read
         if total > self.peak_bytes:
-            self.peak_bytes, self.peak_procs = total, len(procs)
+            self.peak_bytes, self.peak_procs = total, sorted(seen, key=lambda x: -x[1])
+        self.peak_pss_bytes = max(self.peak_pss_bytes, pss)
 
     def _run(self) -> None:
         while not self._stop.is_set():
             self._sample()
             time.sleep(self.interval)
 
-    def __enter__(self) -> PeakRSS:
+    def __enter__(self) -> PeakMemory:
         self._thread.start()
         return self
 
@@ -81,6 +100,10 @@ class PeakRSS:
     @property
     def peak_mib(self) -> float:
         return self.peak_bytes / 2**20
+
+    @property
+    def peak_pss_mib(self) -> float:
+        return self.peak_pss_bytes / 2**20
 
 
 def markdown_table(header: list[str], rows: list[list[Any]]) -> str:

@@ -17,7 +17,14 @@ import logging
 import statistics
 import time
 
-from _common import bench_model_path, long_tail_lengths, make_batch, markdown_table, policy_config, setup_logging
+from _common import (
+    bench_model_path,
+    long_tail_lengths,
+    make_batch,
+    markdown_table,
+    policy_config,
+    setup_logging,
+)
 
 logger = logging.getLogger("bench.engines")
 

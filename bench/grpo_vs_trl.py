@@ -9,8 +9,9 @@ normalisation, AdamW lr 1e-5 constant, max grad norm 1.0, reward repeat_char wit
 
 Ours runs through the real trainer command (`python apps/grpo --config bench/configs/grpo_vs_trl.yaml ...`);
 TRL runs bench/trl_side.py in its own venv (~/.cache/rl-stack/venv-trl, created on first use). Each side runs
-alone (the other waits), its peak memory is the summed RSS of its whole process tree (Ray driver, GCS,
-raylet, actors for ours), sampled every 50 ms. Step time: median over steps after `--warmup`.
+alone (the other waits), its peak memory is the summed RSS and the summed PSS (shared pages split among
+the processes mapping them) of its whole process tree (Ray driver, GCS, raylet, actors for ours), sampled
+every 100 ms. Step time: median over steps after `--warmup`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import CACHE, ROOT, PeakRSS, bench_model_path, markdown_table, setup_logging
+from _common import CACHE, ROOT, PeakMemory, bench_model_path, markdown_table, setup_logging
 
 logger = logging.getLogger("bench.grpo_vs_trl")
 TRL_VENV = CACHE / "venv-trl"
@@ -58,19 +59,19 @@ def write_prompts(work: Path) -> list[dict]:
     return [{"prompt": r["prompt"], "target": r["metadata"]["target"]} for r in records]
 
 
-def run_tree(cmd: list[str], log_path: Path) -> tuple[float, float, int]:
-    """Run `cmd` with its output to `log_path`; returns (wall s, peak summed RSS MiB, processes at peak)."""
-    # Ray reads this at import, before grpo_app's start_ray sets it: without it, Ray sees `uv run` up the
-    # process tree and builds the whole workspace into a fresh venv for its workers (minutes, more memory).
-    env = {**os.environ, "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
+def run_tree(cmd: list[str], log_path: Path) -> dict:
+    """Run `cmd` with its output to `log_path`: wall s, peak summed RSS and PSS MiB, processes at the peak."""
     start = time.perf_counter()
     with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
-        with PeakRSS(proc.pid) as rss:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        with PeakMemory(proc.pid) as mem:
             code = proc.wait()
     if code != 0:
         raise RuntimeError(f"{cmd[:3]} exited with {code}; see {log_path}:\n{log_path.read_text()[-3000:]}")
-    return time.perf_counter() - start, rss.peak_mib, rss.peak_procs
+    logger.info("%s: processes at the RSS peak (name, MiB): %s", log_path.stem,
+                [(name, round(mib)) for name, mib in mem.peak_procs])
+    return {"wall": time.perf_counter() - start, "peak": mem.peak_mib, "pss": mem.peak_pss_mib,
+            "procs": len(mem.peak_procs)}
 
 
 def run_ours(model: Path, work: Path, steps: int) -> dict:
@@ -79,9 +80,9 @@ def run_ours(model: Path, work: Path, steps: int) -> dict:
            f"env.train_data={work / 'prompts.jsonl'}", f"logger.log_dir={log_dir}", f"grpo.max_steps={steps}",
            f"policy.optimizer.kwargs.lr={LR}", f"generation.max_new_tokens={MAX_NEW}"]
     logger.info("ours: %s", " ".join(cmd))
-    wall, peak, procs = run_tree(cmd, work / "ours.log")
+    tree = run_tree(cmd, work / "ours.log")
     records = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines() if line]
-    return {"wall": wall, "peak": peak, "procs": procs, "records": records}
+    return {**tree, "records": records}
 
 
 def run_trl(model: Path, work: Path, prompts: list[dict], steps: int, threads: int) -> dict:
@@ -92,8 +93,8 @@ def run_trl(model: Path, work: Path, prompts: list[dict], steps: int, threads: i
     cmd = [str(trl_python()), str(ROOT / "bench" / "trl_side.py"), str(work / "trl_spec.json"),
            str(work / "trl_out.json")]
     logger.info("TRL: %s", " ".join(cmd))
-    wall, peak, procs = run_tree(cmd, work / "trl.log")
-    return {"wall": wall, "peak": peak, "procs": procs, **json.loads((work / "trl_out.json").read_text())}
+    tree = run_tree(cmd, work / "trl.log")
+    return {**tree, **json.loads((work / "trl_out.json").read_text())}
 
 
 def main() -> None:
@@ -115,18 +116,19 @@ def main() -> None:
     med = {k: statistics.median(r[k] for r in steady) for k in steady[0] if k.startswith("timing/")}
     our_len = statistics.mean(r["rollout/gen_len_mean"] for r in ours["records"])
     rows = [["ours (apps/grpo, DTensor, torch rollout)", med["timing/step_s"], f"{ours['peak']:.0f}",
-             ours["procs"], f"{our_len:.1f}", f"{statistics.mean(r['rollout/reward_mean'] for r in ours['records']):.3f}",
+             f"{ours['pss']:.0f}", ours["procs"], f"{our_len:.1f}", f"{statistics.mean(r['rollout/reward_mean'] for r in ours['records']):.3f}",
              f"{ours['wall']:.0f}"]]
     if trl is not None:
         trl_step = statistics.median(trl["step_s"][args.warmup:])
-        rows.append(["TRL 1.16 GRPOTrainer", trl_step, f"{trl['peak']:.0f}", trl["procs"],
+        rows.append(["TRL 1.16 GRPOTrainer", trl_step, f"{trl['peak']:.0f}", f"{trl['pss']:.0f}", trl["procs"],
                      f"{statistics.mean(trl['completion_len']):.1f}", f"{statistics.mean(trl['reward']):.3f}",
                      f"{trl['wall']:.0f}"])
         rows.append(["ours vs TRL", f"{trl_step / med['timing/step_s']:.2f}x speed-up (TRL s / ours s)",
-                     f"{ours['peak'] / trl['peak']:.2f}x memory (ours / TRL)", "", "", "", ""])
+                     f"{ours['peak'] / trl['peak']:.2f}x RSS (ours / TRL)",
+                     f"{ours['pss'] / trl['pss']:.2f}x PSS (ours / TRL)", "", "", "", ""])
     print(f"\n{PROMPTS} prompts x {GENERATIONS} completions x {MAX_NEW} new tokens, ~12M Qwen2 fp32, "
           f"median of steps {args.warmup}..{args.steps - 1}\n")
-    print(markdown_table(["side", "median step s", "peak RSS MiB (tree)", "procs", "mean completion len",
+    print(markdown_table(["side", "median step s", "peak RSS MiB (tree)", "peak PSS MiB (tree)", "procs", "mean completion len",
                           "mean reward", "total wall s"], rows))
     phases = [[k.removeprefix("timing/").removesuffix("_s"), v, f"{100 * v / med['timing/step_s']:.0f}%"]
               for k, v in sorted(med.items(), key=lambda kv: -kv[1]) if k != "timing/step_s"]

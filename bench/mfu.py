@@ -24,7 +24,6 @@ import statistics
 import time
 
 import torch
-
 from _common import bench_model_path, make_batch, markdown_table, policy_config, setup_logging
 
 logger = logging.getLogger("bench.mfu")
