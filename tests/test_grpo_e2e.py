@@ -50,8 +50,9 @@ def test_few_steps_through_ray(tmp_path, engine):
     overrides = ["grpo.max_steps=3", "grpo.val_every=2", "checkpointing.save_every=2"]
     if engine == "megatron":
         overrides.append("policy.megatron_cfg.enabled=true")
-    else:  # the driver scores (no reward actor); the Megatron run and the default run use the actor
-        overrides.append("env.num_workers=0")
+    else:  # the lean layout: the policy rank generates and the driver scores (no generation or reward
+        # actor); the Megatron run and the default run use separate actors and the refit group
+        overrides += ["env.num_workers=0", "generation.in_policy_workers=true"]
     records = run_grpo(tmp_path / "run", *overrides)
     steps = train_records(records)
     assert sorted(steps) == [0, 1, 2]

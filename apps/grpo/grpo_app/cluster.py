@@ -104,22 +104,31 @@ class Workers:
                 cfg.policy, rank, world, master, with_reference=with_reference, num_threads=threads)
             for rank in range(world)
         ]
-        self.generators = [
-            GenerationWorker.options(**placement.generation_options(i)).remote(
-                cfg.generation.backend, cfg.policy.model_name, cfg.generation.backend_kwargs, num_threads=threads)
-            for i in range(cfg.generation.num_workers)
-        ]
+        self.in_process = cfg.generation.in_policy_workers
+        if self.in_process:  # hybrid: every policy rank generates; refit is a copy inside each process
+            ray.get([w.attach_generator.remote(cfg.generation.backend, cfg.policy.model_name,
+                                               cfg.generation.backend_kwargs) for w in self.policy])
+            self.generators = list(self.policy)
+        else:
+            self.generators = [
+                GenerationWorker.options(**placement.generation_options(i)).remote(
+                    cfg.generation.backend, cfg.policy.model_name, cfg.generation.backend_kwargs,
+                    num_threads=threads)
+                for i in range(cfg.generation.num_workers)
+            ]
         self.rewarders = [RewardWorker.options(num_cpus=0).remote(cfg.env.name, cfg.env.kwargs)
                           for _ in range(cfg.env.num_workers)]
         self.local_env = None if self.rewarders else create_environment(cfg.env.name, **cfg.env.kwargs)
         self.dp_layout = ray.get([w.layout.remote() for w in self.policy])  # (dp_rank, dp_size) per rank
         self.dp_size = self.dp_layout[0][1]
-        host, port = placement.rendezvous(0)  # refit group: policy rank 0 sends, generators receive
-        refit_world = 1 + len(self.generators)
-        ray.get([w.join_refit.remote(host, port, refit_world) for w in self.policy]
-                + [g.join_refit.remote(host, port, i + 1, refit_world) for i, g in enumerate(self.generators)])
-        logger.info("workers up: %d policy ranks (dp=%d), %d generation, %s", world, self.dp_size,
-                    len(self.generators), f"{len(self.rewarders)} reward" if self.rewarders else "rewards in the driver")
+        if not self.in_process:
+            host, port = placement.rendezvous(0)  # refit group: policy rank 0 sends, generators receive
+            refit_world = 1 + len(self.generators)
+            ray.get([w.join_refit.remote(host, port, refit_world) for w in self.policy]
+                    + [g.join_refit.remote(host, port, i + 1, refit_world) for i, g in enumerate(self.generators)])
+        logger.info("workers up: %d policy ranks (dp=%d), %s, %s", world, self.dp_size,
+                    "generation in the policy ranks" if self.in_process else f"{len(self.generators)} generation",
+                    f"{len(self.rewarders)} reward" if self.rewarders else "rewards in the driver")
 
     # ---- policy --------------------------------------------------------------------------------------
     def _shards(self, batch: TokenBatch) -> list[list[int]]:
@@ -157,6 +166,8 @@ class Workers:
 
     # ---- generation and rewards ------------------------------------------------------------------------
     def refit(self) -> int:
+        if self.in_process:
+            return int(ray.get([w.refit_in_process.remote() for w in self.policy])[0])
         sent = ray.get([w.send_weights.remote() for w in self.policy]
                        + [g.receive_weights.remote() for g in self.generators])
         return int(sent[0])
@@ -184,7 +195,7 @@ class Workers:
         return [r for part in ray.get([w.score.remote(p) for w, p in zip(self.rewarders, parts) if p]) for r in part]
 
     def shutdown(self) -> None:
-        for actor in (*self.policy, *self.generators, *self.rewarders):
+        for actor in (*self.policy, *([] if self.in_process else self.generators), *self.rewarders):
             ray.kill(actor)
         if hasattr(self.local_env, "close"):  # stop its scoring subprocesses (Environment has no close())
             self.local_env.close()

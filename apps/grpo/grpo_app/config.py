@@ -59,7 +59,18 @@ class GenerationConfig:
     top_k: int = 0
     num_workers: int = 1
     colocated: bool = True  # share devices with training: sleep/wake around each phase
+    # verl's hybrid engine: every policy rank hosts its own generation backend and generates its share of
+    # the prompts; refit is an in-process copy, and there are no generation actors (one process and one
+    # torch import fewer each). Torch backend only: vLLM sets up its own distributed state.
+    in_policy_workers: bool = False
     backend_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.in_policy_workers and self.backend != "torch":
+            raise ConfigError(
+                f"generation.in_policy_workers=true needs generation.backend='torch' (got {self.backend!r}: it "
+                "runs in its own generation actors); set generation.in_policy_workers=false"
+            )
 
 
 @dataclass(kw_only=True)

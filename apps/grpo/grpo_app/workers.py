@@ -1,5 +1,7 @@
 """Ray actors that host the parts: policy engine ranks, generation workers, reward workers.
 
+With `generation.in_policy_workers` the policy ranks host the generation backends too (`GeneratorHost`).
+
 Actors only wrap the packages' objects and move data; no algorithm code lives here. Each policy rank
 joins the training process group (gloo on CPU, NCCL on GPU) and builds its engine through the registry;
 refit tensors move over a separate `RefitGroup`, not Ray's object store.
@@ -9,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import ray
@@ -33,9 +35,30 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+class GeneratorHost:
+    """What a process hosting a `GenerationBackend` offers the loop (generation actors, hybrid policy ranks)."""
+
+    backend: Any = None
+
+    def attach_generator(self, backend: str, model_path: str, backend_kwargs: dict[str, Any]) -> None:
+        from rl_core.registry import create_generation_backend
+
+        self.backend = create_generation_backend(backend, model_path=model_path, **backend_kwargs)
+
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: Any) -> list[Any]:
+        return self.backend.generate(prompt_token_ids, params)
+
+    def sleep(self) -> None:
+        self.backend.sleep()
+
+    def wake(self) -> None:
+        self.backend.wake()
+
+
 @ray.remote
-class PolicyWorker:
-    """One training rank: a `TrainingEngine` (and, with a KL penalty, a frozen reference engine)."""
+class PolicyWorker(GeneratorHost):
+    """One training rank: a `TrainingEngine` (and, with a KL penalty, a frozen reference engine); with
+    `generation.in_policy_workers`, also a generation backend that refits by an in-process copy."""
 
     def __init__(self, policy: Any, rank: int, world_size: int, master: tuple[str, int], *,
                  with_reference: bool, num_threads: int = 1) -> None:
@@ -79,6 +102,19 @@ class PolicyWorker:
         if self.rank == 0:
             self.refit = RefitGroup(host, port, 0, world_size, device="cuda" if torch.cuda.is_available() else "cpu")
 
+    def refit_in_process(self) -> int:
+        """Every rank gathers the full tensors (collective) and loads them into its own generator."""
+        sent = 0
+
+        def counted() -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal sent
+            for name, tensor in self.engine.export_hf_weights():
+                sent += tensor.numel() * tensor.element_size()
+                yield name, tensor
+
+        self.backend.update_weights(counted())
+        return sent
+
     def send_weights(self) -> int:
         """Every rank takes part in gathering full tensors; rank 0 broadcasts them to the generators."""
         weights = self.engine.export_hf_weights()
@@ -90,30 +126,19 @@ class PolicyWorker:
 
 
 @ray.remote
-class GenerationWorker:
+class GenerationWorker(GeneratorHost):
     """A `GenerationBackend` (torch or vLLM), chosen by name through the registry."""
 
     def __init__(self, backend: str, model_path: str, backend_kwargs: dict[str, Any], *, num_threads: int = 1) -> None:
-        from rl_core.registry import create_generation_backend
-
         _setup_process(num_threads)
-        self.backend = create_generation_backend(backend, model_path=model_path, **backend_kwargs)
+        self.attach_generator(backend, model_path, backend_kwargs)
         self.refit: RefitGroup | None = None
-
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: Any) -> list[Any]:
-        return self.backend.generate(prompt_token_ids, params)
 
     def join_refit(self, host: str, port: int, rank: int, world_size: int) -> None:
         self.refit = RefitGroup(host, port, rank, world_size, device="cuda" if torch.cuda.is_available() else "cpu")
 
     def receive_weights(self) -> None:
         self.backend.update_weights(self.refit.receive())
-
-    def sleep(self) -> None:
-        self.backend.sleep()
-
-    def wake(self) -> None:
-        self.backend.wake()
 
 
 @ray.remote

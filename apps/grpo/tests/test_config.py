@@ -48,6 +48,10 @@ def test_cross_field_checks(tmp_path):
         load_config(path, ["generation.temperature=0.7"])
     with pytest.raises(ConfigError, match="train_global_batch_size"):
         load_config(path, ["policy.train_global_batch_size=7"])
+    with pytest.raises(ConfigError, match=r"in_policy_workers=true needs generation.backend='torch'"):
+        load_config(path, ["generation.in_policy_workers=true", "generation.backend=vllm"])
+    with pytest.raises(ConfigError, match=r"env.num_workers must be >= 0"):
+        load_config(path, ["env.num_workers=-1"])
 
 
 def test_defaults_cycle_and_missing_file(tmp_path):
