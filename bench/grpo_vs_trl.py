@@ -37,14 +37,21 @@ PROMPTS, GENERATIONS, MAX_NEW, LR, EPS, GRAD_NORM, ANSWER_LEN = 8, 8, 128, 1e-5,
 
 
 def trl_python() -> Path:
-    """The TRL venv's python, creating the venv (pip, local CPU torch) if it is missing or broken."""
+    """The TRL venv's python, (re)created with uv if it is missing, broken, or holds another torch build.
+
+    uv resolves torch from PyPI like the workspace lock (and reuses its cached wheels), so both sides run
+    the same torch build: the CUDA wheel imports ~290 MB more than a CPU-only one, per process.
+    """
+    import torch
+
     python = TRL_VENV / "bin" / "python"
-    check = [str(python), "-c", "import trl, torch; assert trl.__version__ == '1.16.0', trl.__version__"]
+    check = [str(python), "-c", "import trl, torch; assert trl.__version__ == '1.16.0', trl.__version__; "
+             f"assert torch.__version__ == {torch.__version__!r}, torch.__version__"]
     if python.exists() and subprocess.run(check, capture_output=True).returncode == 0:
         return python
-    logger.info("creating the TRL venv at %s (%s)", TRL_VENV, " ".join(TRL_PINS))
-    subprocess.run(["python3", "-m", "venv", str(TRL_VENV)], check=True)
-    subprocess.run([str(python), "-m", "pip", "install", "-q", *TRL_PINS], check=True)
+    logger.info("creating the TRL venv at %s (%s, torch %s)", TRL_VENV, " ".join(TRL_PINS), torch.__version__)
+    subprocess.run(["uv", "venv", "--clear", "--python", sys.executable, str(TRL_VENV)], check=True)
+    subprocess.run(["uv", "pip", "install", "--python", str(python), "-q", *TRL_PINS], check=True)
     subprocess.run(check, check=True)
     return python
 
@@ -74,12 +81,13 @@ def run_tree(cmd: list[str], log_path: Path) -> dict:
             "procs": len(mem.peak_procs)}
 
 
-def run_ours(model: Path, work: Path, steps: int) -> dict:
+def run_ours(model: Path, work: Path, prompts_file: Path, steps: int) -> dict:
     log_dir = work / "ours"
     cmd = [sys.executable, "apps/grpo", "--config", str(CONFIG), f"policy.model_name={model}",
-           f"env.train_data={work / 'prompts.jsonl'}", f"logger.log_dir={log_dir}", f"grpo.max_steps={steps}",
+           f"env.train_data={prompts_file}", f"logger.log_dir={log_dir}", f"grpo.max_steps={steps}",
            f"policy.optimizer.kwargs.lr={LR}", f"generation.max_new_tokens={MAX_NEW}"]
     logger.info("ours: %s", " ".join(cmd))
+    work.mkdir(parents=True, exist_ok=True)
     tree = run_tree(cmd, work / "ours.log")
     records = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines() if line]
     return {**tree, "records": records}
@@ -89,6 +97,7 @@ def run_trl(model: Path, work: Path, prompts: list[dict], steps: int, threads: i
     spec = {"model": str(model), "prompts": prompts, "generations": GENERATIONS, "max_new_tokens": MAX_NEW,
             "lr": LR, "eps_low": EPS[0], "eps_high": EPS[1], "max_grad_norm": GRAD_NORM, "steps": steps,
             "seed": 42, "answer_len": ANSWER_LEN, "threads": threads, "output_dir": str(work / "trl-out")}
+    work.mkdir(parents=True, exist_ok=True)
     (work / "trl_spec.json").write_text(json.dumps(spec))
     cmd = [str(trl_python()), str(ROOT / "bench" / "trl_side.py"), str(work / "trl_spec.json"),
            str(work / "trl_out.json")]
@@ -101,6 +110,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2, help="leading steps left out of the median")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="ours then TRL, this many times: each round's ratio is measured back to back")
     parser.add_argument("--skip-trl", action="store_true")
     args = parser.parse_args()
     setup_logging()
@@ -108,31 +119,40 @@ def main() -> None:
     model = bench_model_path()
     work = Path(tempfile.mkdtemp(prefix="grpo_vs_trl-"))
     prompts = write_prompts(work)
-    ours = run_ours(model, work, args.steps)
-    trl = None if args.skip_trl else run_trl(model, work, prompts, args.steps, threads)
-    logger.info("logs under %s", work)
-
-    steady = [r for r in ours["records"] if r["step"] >= args.warmup]
-    med = {k: statistics.median(r[k] for r in steady) for k in steady[0] if k.startswith("timing/")}
-    our_len = statistics.mean(r["rollout/gen_len_mean"] for r in ours["records"])
-    rows = [["ours (apps/grpo, DTensor, torch rollout)", med["timing/step_s"], f"{ours['peak']:.0f}",
-             f"{ours['pss']:.0f}", ours["procs"], f"{our_len:.1f}", f"{statistics.mean(r['rollout/reward_mean'] for r in ours['records']):.3f}",
-             f"{ours['wall']:.0f}"]]
-    if trl is not None:
+    rows, records, ratios = [], [], []
+    for round_ in range(args.rounds):
+        ours = run_ours(model, work / f"round{round_}", work / "prompts.jsonl", args.steps)
+        steady = [r for r in ours["records"] if r["step"] >= args.warmup]
+        records += steady
+        our_step = statistics.median(r["timing/step_s"] for r in steady)
+        rows.append([f"{round_}", "ours (apps/grpo, DTensor, torch rollout)", our_step, f"{ours['peak']:.0f}",
+                     f"{ours['pss']:.0f}", ours["procs"],
+                     f"{statistics.mean(r['rollout/gen_len_mean'] for r in ours['records']):.1f}",
+                     f"{statistics.mean(r['rollout/reward_mean'] for r in ours['records']):.3f}", f"{ours['wall']:.0f}"])
+        if args.skip_trl:
+            continue
+        trl = run_trl(model, work / f"round{round_}", prompts, args.steps, threads)
         trl_step = statistics.median(trl["step_s"][args.warmup:])
-        rows.append(["TRL 1.16 GRPOTrainer", trl_step, f"{trl['peak']:.0f}", f"{trl['pss']:.0f}", trl["procs"],
-                     f"{statistics.mean(trl['completion_len']):.1f}", f"{statistics.mean(trl['reward']):.3f}",
-                     f"{trl['wall']:.0f}"])
-        rows.append(["ours vs TRL", f"{trl_step / med['timing/step_s']:.2f}x speed-up (TRL s / ours s)",
-                     f"{ours['peak'] / trl['peak']:.2f}x RSS (ours / TRL)",
-                     f"{ours['pss'] / trl['pss']:.2f}x PSS (ours / TRL)", "", "", "", ""])
+        rows.append([f"{round_}", "TRL 1.16 GRPOTrainer", trl_step, f"{trl['peak']:.0f}", f"{trl['pss']:.0f}",
+                     trl["procs"], f"{statistics.mean(trl['completion_len']):.1f}",
+                     f"{statistics.mean(trl['reward']):.3f}", f"{trl['wall']:.0f}"])
+        ratios.append((trl_step / our_step, ours["peak"] / trl["peak"], ours["pss"] / trl["pss"]))
+        rows.append([f"{round_}", "ours vs TRL", f"{ratios[-1][0]:.2f}x speed-up (TRL s / ours s)",
+                     f"{ratios[-1][1]:.2f}x RSS (ours / TRL)", f"{ratios[-1][2]:.2f}x PSS (ours / TRL)",
+                     "", "", "", ""])
+    logger.info("logs under %s", work)
     print(f"\n{PROMPTS} prompts x {GENERATIONS} completions x {MAX_NEW} new tokens, ~12M Qwen2 fp32, "
-          f"median of steps {args.warmup}..{args.steps - 1}\n")
-    print(markdown_table(["side", "median step s", "peak RSS MiB (tree)", "peak PSS MiB (tree)", "procs", "mean completion len",
-                          "mean reward", "total wall s"], rows))
+          f"median of steps {args.warmup}..{args.steps - 1}, {args.rounds} rounds (ours, then TRL)\n")
+    print(markdown_table(["round", "side", "median step s", "peak RSS MiB (tree)", "peak PSS MiB (tree)", "procs",
+                          "mean completion len", "mean reward", "total wall s"], rows))
+    if ratios:
+        speed, rss, pss = (statistics.median(r[i] for r in ratios) for i in range(3))
+        print(f"\nMedian over rounds: {speed:.2f}x speed-up, {rss:.2f}x RSS, {pss:.2f}x PSS (ours / TRL)")
+    timing = {k for r in records for k in r if k.startswith("timing/")}
+    med = {k: statistics.median(r.get(k, 0.0) for r in records) for k in timing}
     phases = [[k.removeprefix("timing/").removesuffix("_s"), v, f"{100 * v / med['timing/step_s']:.0f}%"]
               for k, v in sorted(med.items(), key=lambda kv: -kv[1]) if k != "timing/step_s"]
-    print("\nOur per-phase breakdown (median s per step, metrics.jsonl):\n")
+    print("\nOur per-phase breakdown (median s per step over all rounds, metrics.jsonl):\n")
     print(markdown_table(["phase", "s", "share of step"], phases))
 
 
