@@ -33,6 +33,9 @@ def start_ray(cfg: GRPOConfig) -> None:
         logger.info("joining Ray cluster at %s", cfg.cluster.address)
         ray.init(address=cfg.cluster.address, log_to_driver=True)
     else:
+        # Ray starts workers at niceness 15 (to keep its own daemons responsive); here the workers are the
+        # training itself, and on a shared machine niceness 15 hands their cores to any other process.
+        os.environ.setdefault("RAY_worker_niceness", "0")
         ray.init(num_cpus=cfg.cluster.num_cpus or os.cpu_count(), include_dashboard=False,
                  _node_ip_address="127.0.0.1", log_to_driver=True, configure_logging=False)
 
