@@ -70,8 +70,8 @@ class PeakMemory:
     RSS counts a shared library page once per process that maps it (10 processes importing torch count
     libtorch 10 times); PSS splits each shared page among its users, so the tree's PSS is the memory the
     tree really holds. The sampler must not slow the tree it measures on a 2-core machine: RSS (statm)
-    every `interval` s, the process list every second, PSS (smaps_rollup, costly) at most once a second
-    and only while the RSS is within 5% of its peak. `peak_procs`: (name, RSS MiB) at the RSS peak.
+    every `interval` s, the process list every second, PSS (smaps_rollup, costly) at most every 5 s and
+    only while the RSS is within 5% of its peak (peaks last seconds: the training phase). `peak_procs`: (name, RSS MiB) at the RSS peak.
     """
 
     def __init__(self, pid: int, interval: float = 0.1) -> None:
@@ -103,7 +103,7 @@ class PeakMemory:
             names = {p.pid: _name(p) for p in self._procs if p.pid in sizes}
             self.peak_bytes = total
             self.peak_procs = sorted(((names[pid], b / 2**20) for pid, b in sizes.items()), key=lambda x: -x[1])
-        if total >= 0.95 * self.peak_bytes and now - self._pss_at > 1.0:
+        if total >= 0.95 * self.peak_bytes and now - self._pss_at > 5.0:
             self._pss_at = now
             pss = 0
             for pid in sizes:
