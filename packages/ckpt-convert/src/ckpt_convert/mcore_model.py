@@ -211,7 +211,8 @@ def te_available() -> bool:
 
 
 def layer_spec(cfg: MCoreModelConfig) -> Any:
-    """The layer spec, chosen once: Transformer Engine with CUDA, megatron's local modules otherwise."""
+    """The layer spec, chosen once: Transformer Engine with CUDA, megatron's local modules otherwise
+    (with `SegmentDotProductAttention` as core attention, for packed rows)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     tc = cfg.transformer_config
@@ -219,7 +220,12 @@ def layer_spec(cfg: MCoreModelConfig) -> Any:
                   qk_layernorm=tc.qk_layernorm)
     if te_available():
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**kwargs)
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization=tc.normalization, **kwargs)
+    from ckpt_convert.segment_attention import SegmentDotProductAttention
+
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=tc.normalization, **kwargs)
+    # packed rows: attend per sequence instead of over the whole row with a block-diagonal mask
+    spec.submodules.self_attention.submodules.core_attention = SegmentDotProductAttention
+    return spec
 
 
 def build_gpt_model(cfg: MCoreModelConfig, *, pre_process: bool | None = None, post_process: bool | None = None,
