@@ -16,8 +16,9 @@ import ray
 import torch
 
 from grpo_app.config import GRPOConfig
-from grpo_app.workers import GenerationWorker, PolicyWorker, RewardWorker, free_port
+from grpo_app.workers import GenerationWorker, PolicyWorker, RewardWorker
 from rl_core.batch import TokenBatch
+from rl_core.distributed import free_port
 from rl_core.interfaces import Completion, RewardRequest, RewardResult, SamplingParams
 from rollout.environments import create_environment
 from seqpack import balance_partitions

@@ -42,7 +42,7 @@ def resolve_model(cfg: GRPOConfig) -> GRPOConfig:
 def preflight(cfg: GRPOConfig) -> GRPOConfig:
     """Validate what the config points at; returns the config with the model path resolved."""
     cfg = resolve_model(cfg)
-    engine_cls = ENGINES.get(cfg.policy.engine_name, config_key=f"policy.{cfg.policy.engine_name}_cfg.enabled")
+    engine_cls = ENGINES.get(cfg.policy.engine_name, config_key=cfg.policy.engine_config_key)
     if isinstance(engine_cls, ValidatesConfig):
         engine_cls.validate_config(cfg.policy)
     GENERATION_BACKENDS.get(cfg.generation.backend, config_key="generation.backend")

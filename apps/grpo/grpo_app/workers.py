@@ -27,14 +27,6 @@ def _setup_process(num_threads: int) -> None:
     torch.set_num_threads(max(1, num_threads))
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class GeneratorHost:
     """What a process hosting a `GenerationBackend` offers the loop (generation actors, hybrid policy ranks)."""
 

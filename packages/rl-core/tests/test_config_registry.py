@@ -10,7 +10,7 @@ import torch
 from rl_core.config import ConfigError, PolicyConfig, parse_config
 from rl_core.losses import LossConfig
 from rl_core.metrics import all_reduce_metrics, combine_metrics
-from rl_core.registry import ENGINES, create_engine, register_engine
+from rl_core.registry import ENGINES, Registry, create_engine, register_engine
 from rl_core.testing.distributed import run_distributed
 
 
@@ -58,6 +58,22 @@ def test_policy_engine_selection_and_conflicts():
         parse_config(PolicyConfig, {"model_name": "m", "optimizer": {"kwargs": {}}}, "policy")
 
 
+def test_policy_engine_key_selects_any_name_and_names_conflicts():
+    third = PolicyConfig(model_name="m", engine="titan", engine_cfg={"compile": True})
+    assert third.engine_name == "titan" and third.engine_options == {"compile": True}
+    assert third.engine_config_key == "policy.engine"
+    # the built-in engines take either section; the seeds' switch agreeing with policy.engine is fine
+    assert PolicyConfig(model_name="m", engine="megatron", megatron_cfg={"enabled": True, "seed": 3}
+                        ).engine_options == {"seed": 3}
+    assert PolicyConfig(model_name="m", engine="megatron", engine_cfg={"seed": 4}).engine_options == {"seed": 4}
+    with pytest.raises(ConfigError, match=r"policy.engine='titan' conflicts with policy.megatron_cfg.enabled"):
+        PolicyConfig(model_name="m", engine="titan", megatron_cfg={"enabled": True})
+    with pytest.raises(ConfigError, match=r"policy.engine_cfg and policy.megatron_cfg both configure"):
+        PolicyConfig(model_name="m", engine="megatron", engine_cfg={"seed": 1}, megatron_cfg={"seed": 2})
+    with pytest.raises(ConfigError, match=r"policy.engine_cfg is the section of an engine chosen by policy.engine"):
+        PolicyConfig(model_name="m", engine_cfg={"seed": 1})
+
+
 def test_registry_entry_points_and_unknown_names():
     assert {"dtensor", "megatron"} <= set(ENGINES.names())
 
@@ -73,8 +89,13 @@ def test_registry_entry_points_and_unknown_names():
         assert isinstance(engine, Toy) and engine.kwargs == {"extra": 1}
     finally:
         del ENGINES._classes["dtensor"]
-    with pytest.raises(ValueError, match=r"'nope' is not registered; choose one of \[.*'dtensor'"):
-        ENGINES.get("nope", config_key="policy.engine")
+    with pytest.raises(ValueError, match=r"policy.engine: training engine 'nope' is not registered; choose one "
+                       r"of \[.*'dtensor'"):
+        create_engine(PolicyConfig(model_name="m", engine="nope"))
+    missing = Registry("training engine", "rl_core.engines.none-installed", {"titan": "torchtitan-engine"})
+    with pytest.raises(ValueError, match=r"policy.engine selects training engine 'titan', which is not "
+                       r"installed: pip install torchtitan-engine"):
+        missing.get("titan", config_key="policy.engine")
 
 
 def test_combine_metrics_sums_and_extremes():

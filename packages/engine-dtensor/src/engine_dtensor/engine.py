@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib.util
 import logging
 import math
-import os
 from collections.abc import Iterator
 from contextlib import nullcontext
 from pathlib import Path
@@ -31,23 +30,11 @@ from engine_dtensor.parallel_dims import ParallelDims
 from engine_dtensor.parallelize import parallelize
 from rl_core.batch import LossFn, LossInputs, StepResult, TokenBatch
 from rl_core.config import PolicyConfig
+from rl_core.distributed import init_process_group
 from rl_core.metrics import all_reduce_metrics, combine_metrics
 from rl_core.registry import register_engine
 
 logger = logging.getLogger(__name__)
-
-
-def init_distributed() -> torch.device:
-    """Use the default process group if there is one, else start a 1-rank group; pick the device."""
-    if not dist.is_initialized():
-        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        logger.info("no process group: started a 1-rank %s group", backend)
-    if torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count()))
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
 
 
 def resolve_attn_implementation(requested: str, device: torch.device, precision: str) -> str:
@@ -96,7 +83,7 @@ class DTensorEngine:
     def __init__(self, policy: PolicyConfig) -> None:
         self.policy = policy
         self.cfg = self.validate_config(policy)
-        self.device = init_distributed()
+        self.device = init_process_group(torch.cuda.is_available())
         self.parallel_dims = ParallelDims.from_world(dist.get_world_size(), self.cfg.tensor_parallel_size)
         self.parallel_dims.build_mesh(self.device.type)
         dp_mesh = self.parallel_dims.get_mesh("dp")

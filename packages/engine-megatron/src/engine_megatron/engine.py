@@ -29,10 +29,11 @@ from engine_megatron.compat import device_context, prepare_device
 from engine_megatron.config import MegatronConfig, parse_megatron_config, resolve_settings
 from engine_megatron.model import build_ddp_model, convert_once, export_hf_tensors, load_converted
 from engine_megatron.optim import build_optimizer, build_scheduler, megatron_optimizer_config, optimizer_step
-from engine_megatron.parallel import broadcast_from_last_stage, ensure_process_group, init_model_parallel
+from engine_megatron.parallel import broadcast_from_last_stage, init_model_parallel
 from engine_megatron.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
 from rl_core.batch import LossFn, LossInputs, StepResult, TokenBatch
 from rl_core.config import PolicyConfig
+from rl_core.distributed import init_process_group
 from rl_core.metrics import all_reduce_metrics, combine_metrics
 from rl_core.registry import register_engine
 
@@ -66,9 +67,9 @@ class MegatronEngine:
 
         self.policy = policy
         self.cfg = self.validate_config(policy)
-        self.device = prepare_device()
+        self.device = init_process_group(prepare_device().type == "cuda")
         self.hf_config = load_hf_config(policy.model_name)
-        world_size = ensure_process_group(self.device.type == "cuda")
+        world_size = dist.get_world_size()
         self.settings = resolve_settings(policy, self.cfg, self.hf_config, world_size, self.device.type == "cuda")
         self.ranks = init_model_parallel(self.cfg, self.device.type == "cuda")
         self.model_cfg = mcore_model_config(

@@ -1,22 +1,17 @@
-"""Process groups: the default torch.distributed group and megatron's `parallel_state`.
+"""Process groups: megatron's `parallel_state` on top of the default group (rl_core.distributed joins it).
 
-Owns starting a one-rank gloo group when the caller has none, (re)initialising megatron's model-parallel
-groups from `policy.megatron_cfg`, and the model-parallel RNG seeds. Does not touch the model.
+Owns (re)initialising megatron's model-parallel groups from `policy.megatron_cfg`, and the model-parallel
+RNG seeds. Does not touch the model.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from engine_megatron.config import MegatronConfig
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -40,23 +35,6 @@ class ParallelRanks:
     @property
     def last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def ensure_process_group(use_cuda: bool) -> int:
-    """The world size of the default group, starting a one-rank group if there is none."""
-    if not dist.is_initialized():
-        backend = "nccl" if use_cuda else "gloo"
-        logger.info("no torch.distributed group: starting a 1-rank %s group", backend)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
-    return dist.get_world_size()
 
 
 def init_model_parallel(cfg: MegatronConfig, use_cuda: bool) -> ParallelRanks:

@@ -1,8 +1,9 @@
 """Typed configs: plain `kw_only` dataclasses, validated from nested mappings (YAML) before any work.
 
 Owns the validator every package uses (`parse_config`) and the shared `policy.*` schema that both
-engines read. Engine-specific sections (`policy.dtensor_cfg`, `policy.megatron_cfg`) stay raw mappings
-here and are validated by the engine package that owns them, so rl-core imports no engine.
+engines read. Engine-specific sections (`policy.engine_cfg` for any engine chosen by `policy.engine`;
+`policy.dtensor_cfg`, `policy.megatron_cfg` for the built-in two) stay raw mappings here and are
+validated by the engine package that owns them (its `validate_config`), so rl-core imports no engine.
 
 Errors name the dotted key, the value received, what was expected and, for unknown keys, the closest
 valid key.
@@ -192,7 +193,11 @@ class PolicyConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     sequence_packing: SequencePackingConfig = field(default_factory=SequencePackingConfig)
     dynamic_batching: DynamicBatchingConfig = field(default_factory=DynamicBatchingConfig)
-    # `dtensor_cfg.enabled` defaults to "not megatron", so `policy.megatron_cfg.enabled=true` alone switches.
+    # The engine: `engine: <registered name>` (any engine, incl. third-party ones that get their section
+    # as `engine_cfg`), or the seeds' spelling `megatron_cfg.enabled` / `dtensor_cfg.enabled` for the
+    # built-in two. `dtensor_cfg.enabled` defaults to "not megatron", so `megatron_cfg.enabled=true` switches.
+    engine: str | None = None
+    engine_cfg: dict[str, Any] = field(default_factory=dict)
     dtensor_cfg: dict[str, Any] = field(default_factory=dict)
     megatron_cfg: dict[str, Any] = field(default_factory=lambda: {"enabled": False})
 
@@ -202,26 +207,63 @@ class PolicyConfig:
                 raise ConfigError(f"policy.{key} must be >= 1; got {getattr(self, key)}")
         if self.temperature <= 0:
             raise ConfigError(f"policy.temperature must be > 0; got {self.temperature}")
-        megatron_on = bool(self.megatron_cfg.get("enabled", False))
-        dtensor_on = bool(self.dtensor_cfg.get("enabled", not megatron_on))
-        if megatron_on and dtensor_on:
+        switched_on = [name for name in BUILTIN_ENGINE_SECTIONS if self._section(name).get("enabled", False)]
+        if self.engine is not None:
+            self._check_engine_key(switched_on)
+            return
+        if switched_on == ["dtensor", "megatron"]:
             raise ConfigError(
                 "Configure either Megatron (policy.megatron_cfg.enabled=true) or DTensor "
                 "(policy.dtensor_cfg.enabled=true), not both."
             )
-        if not megatron_on and not dtensor_on:
+        if not switched_on and not self.dtensor_cfg.get("enabled", True):
             raise ConfigError(
-                "No training engine is enabled: set policy.dtensor_cfg.enabled=true or "
+                "No training engine is enabled: set policy.engine=<name>, policy.dtensor_cfg.enabled=true or "
                 "policy.megatron_cfg.enabled=true."
             )
+        if self.engine_cfg:
+            raise ConfigError("policy.engine_cfg is the section of an engine chosen by policy.engine; set "
+                              "policy.engine too, or put these keys under policy.dtensor_cfg / policy.megatron_cfg")
+
+    def _section(self, name: str) -> dict[str, Any]:
+        return getattr(self, BUILTIN_ENGINE_SECTIONS[name])
+
+    def _check_engine_key(self, switched_on: list[str]) -> None:
+        """`policy.engine` set: no `*_cfg.enabled` switch may name another engine, one options section."""
+        if not self.engine:
+            raise ConfigError("policy.engine is empty; name a registered engine (e.g. 'dtensor', 'megatron')")
+        for name in switched_on:
+            if name != self.engine:
+                raise ConfigError(f"policy.engine={self.engine!r} conflicts with policy.{name}_cfg.enabled=true; "
+                                  f"remove one of the two keys")
+        if self.engine in BUILTIN_ENGINE_SECTIONS and self.engine_cfg and self._own_options(self.engine):
+            section = BUILTIN_ENGINE_SECTIONS[self.engine]
+            raise ConfigError(f"policy.engine_cfg and policy.{section} both configure engine {self.engine!r}; "
+                              "use one of the two sections")
+
+    def _own_options(self, name: str) -> dict[str, Any]:
+        return {k: v for k, v in self._section(name).items() if k != "enabled"}
 
     @property
     def engine_name(self) -> str:
         """The registry name of the configured engine (the one place that maps config to a name)."""
+        if self.engine is not None:
+            return self.engine
         return "megatron" if self.megatron_cfg.get("enabled", False) else "dtensor"
 
     @property
+    def engine_config_key(self) -> str:
+        """The config key that chose the engine, for error messages."""
+        return "policy.engine" if self.engine is not None else f"policy.{self.engine_name}_cfg.enabled"
+
+    @property
     def engine_options(self) -> dict[str, Any]:
-        """The engine's own section, minus the `enabled` switch."""
-        section = self.megatron_cfg if self.engine_name == "megatron" else self.dtensor_cfg
-        return {k: v for k, v in section.items() if k != "enabled"}
+        """The engine's own section, minus the `enabled` switch: `policy.engine_cfg`, or for the built-in
+        engines their `policy.<name>_cfg` (either spelling; both set is a config error)."""
+        if self.engine_name in BUILTIN_ENGINE_SECTIONS and not self.engine_cfg:
+            return self._own_options(self.engine_name)
+        return dict(self.engine_cfg)
+
+
+# The built-in engines' own sections (the seeds' spelling); any other engine reads `policy.engine_cfg`.
+BUILTIN_ENGINE_SECTIONS = {"dtensor": "dtensor_cfg", "megatron": "megatron_cfg"}

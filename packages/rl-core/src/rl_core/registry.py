@@ -66,8 +66,8 @@ def register_engine(name: str) -> Callable[[type[C]], type[C]]:
 
 
 def create_engine(policy: PolicyConfig, **kwargs: Any) -> Any:
-    """Build the engine that `policy` selects (policy.megatron_cfg.enabled / policy.dtensor_cfg.enabled)."""
-    cls = ENGINES.get(policy.engine_name, config_key=f"policy.{policy.engine_name}_cfg.enabled")
+    """Build the engine that `policy` selects (policy.engine, or policy.megatron_cfg/dtensor_cfg.enabled)."""
+    cls = ENGINES.get(policy.engine_name, config_key=policy.engine_config_key)
     return cls(policy, **kwargs)
 
 

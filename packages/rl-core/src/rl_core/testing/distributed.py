@@ -14,16 +14,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from rl_core.distributed import free_port
 
 
 def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, queue: Any) -> None:

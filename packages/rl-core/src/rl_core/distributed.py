@@ -1,0 +1,52 @@
+"""Process-group bootstrap shared by every engine, and a free TCP port for rendezvous.
+
+Owns one decision: which torch.distributed group an engine trains in. In order: the default group
+that already exists (the trainer's workers, a test harness, a user who called init_process_group);
+the launcher's environment (torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT: join it with
+env://, so the ranks really train together); otherwise a one-rank group on a private store. Does not
+build meshes or model-parallel groups (each engine does that on top of the default group).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on `host` now (the OS picks it; another process may take it later)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def init_process_group(use_cuda: bool) -> torch.device:
+    """Join (or start) the default process group as described in the module docstring; pick the device.
+
+    On CUDA each rank uses GPU LOCAL_RANK (torchrun sets it), else rank modulo the visible GPUs.
+    """
+    if not dist.is_initialized():
+        backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
+        present = [key for key in LAUNCHER_ENV if key in os.environ]
+        if len(present) == len(LAUNCHER_ENV):
+            dist.init_process_group(backend, init_method="env://")
+            logger.info("joined the launcher's process group: rank %d of %d (%s)",
+                        dist.get_rank(), dist.get_world_size(), backend)
+        else:
+            if present:  # half a launcher environment: say why we do not join it
+                logger.warning("found %s but not all of %s: starting a 1-rank group instead", present, LAUNCHER_ENV)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            logger.info("no process group and no launcher: started a 1-rank %s group", backend)
+    if use_cuda:
+        local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count()))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
