@@ -32,7 +32,7 @@ from ckpt_convert.dist_format import (
     extra_state_chunk,
     write_checkpoint,
 )
-from ckpt_convert.hf_io import HFShardWriter, HFSource
+from ckpt_convert.hf_io import HFSource, write_hf_checkpoint
 from ckpt_convert.mapping import hf_names_for, hf_to_mcore_tensor, mcore_names, mcore_to_hf_tensors
 from ckpt_convert.mcore_model import MCoreModelConfig, hf_architecture, load_hf_config, mcore_model_config
 
@@ -59,14 +59,17 @@ class ConversionSummary:
 
 
 @contextlib.contextmanager
-def _atomic_dir(out_dir: Path) -> Iterator[Path]:
-    """A temporary sibling of `out_dir`, renamed to it on success and removed on failure."""
-    if out_dir.exists():
+def atomic_dir(out_dir: Path, *, replace: bool = False) -> Iterator[Path]:
+    """A temporary sibling of `out_dir`, renamed to it on success (replacing an existing one only if
+    `replace`) and removed on failure."""
+    if out_dir.exists() and not replace:
         raise ValueError(f"output directory {out_dir} already exists; remove it or choose another --out")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         yield tmp
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
         os.rename(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -85,6 +88,14 @@ def save_model_config(ckpt_dir: str | os.PathLike, hf_config: Any, cfg: MCoreMod
         "vocab_size": cfg.vocab_size, "hf_vocab_size": cfg.hf_vocab_size, "dtype": dtype,
         "tp": tp, "pp": pp, "ep": ep}, indent=2, default=str))
     return path
+
+
+def save_conversion_metadata(ckpt_dir: str | os.PathLike, hf_config: Any, cfg: MCoreModelConfig,
+                             hf_dir: str | os.PathLike, *, tp: int = 1, pp: int = 1, ep: int = 1) -> None:
+    """`ckpt_convert.json` and the HF side files (tokenizer...) beside a megatron checkpoint written by
+    another tool (the Megatron engine's save_checkpoint), so that mcore2hf converts it."""
+    save_model_config(ckpt_dir, hf_config, cfg, tp=tp, pp=pp, ep=ep)
+    _copy_hf_files(Path(hf_dir), Path(ckpt_dir) / HF_FILES_DIR)
 
 
 def load_model_config(ckpt_dir: str | os.PathLike, **kwargs: Any) -> tuple[Any, MCoreModelConfig]:
@@ -157,7 +168,7 @@ def convert_hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *
         return tensor.to(chunk.dtype).reshape(chunk.sizes)
 
     try:
-        with _atomic_dir(out_dir) as tmp:
+        with atomic_dir(out_dir) as tmp:
             write_checkpoint(tmp, chunks, resolve)
             save_model_config(tmp, hf_config, cfg, tp=tp, pp=pp, ep=ep, dtype=dtype)
             _copy_hf_files(hf_dir, tmp / HF_FILES_DIR)
@@ -201,24 +212,12 @@ def convert_mcore_to_hf(mcore_dir: str | os.PathLike, out_dir: str | os.PathLike
     for name, (key, prefix) in zip(names, sources):
         meta = torch.empty(reader.global_shape(key)[len(prefix):], dtype=reader.dtype(key), device="meta")
         plan.append([(n, tuple(t.shape), t.dtype) for n, t in mcore_to_hf_tensors(cfg, hf_config, name, meta)])
-    dtypes = {dtype for group in plan for _, _, dtype in group}
-    with _atomic_dir(out_dir) as tmp:
-        writer = HFShardWriter(tmp, plan, max_shard_bytes)
-        try:
-            for name, (key, prefix) in zip(tqdm(names, desc="mcore2hf", unit="tensor", disable=None), sources):
-                for hf_name, tensor in mcore_to_hf_tensors(cfg, hf_config, name, reader.read(key, prefix)):
-                    writer.add(hf_name, tensor)
-            writer.finish()
-        finally:
-            writer.close()
-        hf_config.dtype = str(next(iter(dtypes))).removeprefix("torch.") if len(dtypes) == 1 else "float32"
-        hf_config.save_pretrained(tmp)
-        extra = mcore_dir / HF_FILES_DIR
-        if extra.is_dir():
-            for file in extra.iterdir():
-                if file.name != "config.json":
-                    shutil.copy2(file, tmp / file.name)
+    tensors = (pair for name, (key, prefix) in zip(tqdm(names, desc="mcore2hf", unit="tensor", disable=None), sources)
+               for pair in mcore_to_hf_tensors(cfg, hf_config, name, reader.read(key, prefix)))
+    with atomic_dir(out_dir) as tmp:
+        num_params = write_hf_checkpoint(tmp, plan, tensors, hf_config, mcore_dir / HF_FILES_DIR,
+                                         max_shard_bytes=max_shard_bytes)
         output_bytes = _dir_bytes(tmp)
-    summary = ConversionSummary(len(names), writer.num_params, time.perf_counter() - start, output_bytes, out_dir)
+    summary = ConversionSummary(len(names), num_params, time.perf_counter() - start, output_bytes, out_dir)
     logger.info("mcore2hf %s", summary)
     return out_dir

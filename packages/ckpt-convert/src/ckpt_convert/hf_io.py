@@ -4,7 +4,8 @@
 itself validates each file) and reads one tensor on demand with a plain seek + read. Not through
 safetensors' memory map: mapped pages that were read stay in the resident set while the file is open,
 so a mapped shard would count fully against the "one shard plus one layer" memory bound.
-`HFShardWriter` writes shards planned from shapes alone, appending each tensor as it is produced.
+`HFShardWriter` writes shards planned from shapes alone, appending each tensor as it is produced;
+`write_hf_checkpoint` adds config and tokenizer files around it (mcore2hf and the Megatron engine's save_hf).
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -21,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 INDEX_NAME = "model.safetensors.index.json"
+WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 
 
 class HFSource:
@@ -171,3 +176,26 @@ class HFShardWriter:
             index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
             (self.out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2))
         return self.file_names
+
+
+def write_hf_checkpoint(out_dir: Path, plan: list[list[tuple[str, tuple[int, ...], torch.dtype]]],
+                        tensors: Iterable[tuple[str, torch.Tensor]], hf_config: Any, side_files: Path | None,
+                        *, max_shard_bytes: int = 2 * 2**30) -> int:
+    """A loadable HF model directory in the existing, empty `out_dir`: the `plan`ned tensors streamed into
+    safetensors shards, config.json, and the non-weight files of `side_files` (tokenizer, generation
+    config). Returns the number of parameters written."""
+    writer = HFShardWriter(out_dir, plan, max_shard_bytes)
+    try:
+        for name, tensor in tensors:
+            writer.add(name, tensor)
+        writer.finish()
+    finally:
+        writer.close()
+    dtypes = {dtype for group in plan for _, _, dtype in group}
+    hf_config.dtype = str(next(iter(dtypes))).removeprefix("torch.") if len(dtypes) == 1 else "float32"
+    hf_config.save_pretrained(out_dir)
+    if side_files is not None and side_files.is_dir():
+        for file in side_files.iterdir():
+            if file.is_file() and not file.name.endswith(WEIGHT_FILE_SUFFIXES) and file.name != "config.json":
+                shutil.copy2(file, out_dir / file.name)
+    return writer.num_params

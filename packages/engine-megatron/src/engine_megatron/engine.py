@@ -14,10 +14,12 @@ micro-batch loss by the number of micro-batches (and multiplies by CP), and DDP 
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,7 +29,7 @@ from torch import Tensor
 from engine_megatron import batching, checkpoint
 from engine_megatron.compat import device_context, prepare_device
 from engine_megatron.config import MegatronConfig, parse_megatron_config, resolve_settings
-from engine_megatron.model import build_ddp_model, convert_once, export_hf_tensors, load_converted
+from engine_megatron.model import build_ddp_model, convert_once, export_hf_tensors, hf_export, load_converted
 from engine_megatron.optim import build_optimizer, build_scheduler, megatron_optimizer_config, optimizer_step
 from engine_megatron.parallel import broadcast_from_last_stage, init_model_parallel
 from engine_megatron.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
@@ -148,8 +150,31 @@ class MegatronEngine:
         """Full tensors under HF names, one at a time (TP/EP gathered, broadcast from the owning stage)."""
         yield from export_hf_tensors(self.model, self.model_cfg, self.hf_config, self.ranks)
 
+    def save_hf(self, path: str) -> None:
+        """A Hugging Face model directory at `path` (replaced atomically): rank 0 streams the gathered
+        tensors into safetensors shards, adds config.json and the tokenizer files of policy.model_name."""
+        from ckpt_convert.convert import atomic_dir
+        from ckpt_convert.hf_io import write_hf_checkpoint
+
+        plan, tensors = hf_export(self.model, self.model_cfg, self.hf_config, self.ranks)
+        if dist.get_rank() == 0:
+            with atomic_dir(Path(path), replace=True) as tmp:
+                write_hf_checkpoint(tmp, plan, tensors, copy.deepcopy(self.hf_config), Path(self.policy.model_name))
+        else:
+            for _ in tensors:  # the gathers and broadcasts are collective
+                pass
+        dist.barrier()
+        logger.info("saved HF checkpoint %s", path)
+
     def save_checkpoint(self, path: str) -> None:
+        """The engine checkpoint, plus what `ckpt-convert mcore2hf` needs beside it (model config, HF files)."""
+        from ckpt_convert.convert import save_conversion_metadata
+
         checkpoint.save(path, self.model, self.optimizer, self.scheduler)
+        if dist.get_rank() == 0:
+            save_conversion_metadata(path, self.hf_config, self.model_cfg, self.policy.model_name,
+                                     tp=self.cfg.tp, pp=self.cfg.pp, ep=self.cfg.ep)
+        dist.barrier()
 
     def load_checkpoint(self, path: str) -> None:
         checkpoint.load(path, self.model, self.optimizer, self.scheduler)

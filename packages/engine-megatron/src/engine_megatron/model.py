@@ -133,6 +133,14 @@ def _tp_gather(model_cfg: Any, param: Tensor, name: str) -> Tensor:
 
 def export_hf_tensors(model: Any, model_cfg: Any, hf_config: Any, ranks: ParallelRanks) -> Iterator[tuple[str, Tensor]]:
     """Every full parameter under its HF name(s), one at a time, the same stream on every rank."""
+    return hf_export(model, model_cfg, hf_config, ranks)[1]
+
+
+def hf_export(model: Any, model_cfg: Any, hf_config: Any,
+              ranks: ParallelRanks) -> tuple[list[list[tuple[str, tuple[int, ...], torch.dtype]]],
+                                             Iterator[tuple[str, Tensor]]]:
+    """(plan, stream): the HF (name, shape, dtype) of each mcore tensor in stream order, known before
+    any data moves (what a streaming safetensors writer needs), and the stream of full tensors."""
     from ckpt_convert.mapping import mcore_to_hf_tensors
 
     module = gpt_model(model)
@@ -150,16 +158,25 @@ def export_hf_tensors(model: Any, model_cfg: Any, hf_config: Any, ranks: Paralle
     for rank, names in sorted(everyone):
         for n, (shape, dtype) in names.items():
             owners.setdefault(n, (rank, shape, dtype))
-    device = next(iter(local.values())).device
-    for n in sorted(owners, key=_export_order):
-        owner, shape, dtype = owners[n]
-        if n in local:  # every rank of the owner's TP group takes part in the gather
-            full = _tp_gather(model_cfg, local[n], n).contiguous()
-        else:
-            full = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-        if dist.get_world_size() > 1:
-            dist.broadcast(full, src=owner)  # PP stages and EP ranks that do not hold it receive it
-        yield from mcore_to_hf_tensors(model_cfg, hf_config, n, full.cpu())
+    order = sorted(owners, key=_export_order)
+    plan = []
+    for n in order:
+        meta = torch.empty(owners[n][1], dtype=getattr(torch, owners[n][2]), device="meta")
+        plan.append([(hf, tuple(t.shape), t.dtype) for hf, t in mcore_to_hf_tensors(model_cfg, hf_config, n, meta)])
+
+    def stream() -> Iterator[tuple[str, Tensor]]:
+        device = next(iter(local.values())).device
+        for n in order:
+            owner, shape, dtype = owners[n]
+            if n in local:  # every rank of the owner's TP group takes part in the gather
+                full = _tp_gather(model_cfg, local[n], n).contiguous()
+            else:
+                full = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+            if dist.get_world_size() > 1:
+                dist.broadcast(full, src=owner)  # PP stages and EP ranks that do not hold it receive it
+            yield from mcore_to_hf_tensors(model_cfg, hf_config, n, full.cpu())
+
+    return plan, stream()
 
 
 def _full_shape(param: Tensor) -> tuple[int, ...]:

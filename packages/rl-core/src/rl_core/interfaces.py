@@ -40,6 +40,9 @@ class TrainingEngine(Protocol):
     def export_hf_weights(self) -> Iterator[tuple[str, Tensor]]:
         """Full (unsharded) tensors under Hugging Face names, one at a time (for refit)."""
 
+    def save_hf(self, path: str) -> None:
+        """A Hugging Face model directory (config, safetensors, tokenizer files) at `path`; every rank calls it."""
+
     def save_checkpoint(self, path: str) -> None:
         """Write model, optimizer, scheduler and RNG state atomically to `path`."""
 

@@ -43,7 +43,8 @@ def shared_temp_dir() -> str:
 
 def check_training_engine(make_engine: Callable[[], TrainingEngine], vocab_size: int,
                           checkpoint_dir: str | None = None) -> None:
-    """Shapes, determinism, training moves logprobs, forward_only leaves weights alone, checkpoints restore.
+    """Shapes, determinism, training moves logprobs, forward_only leaves weights alone, checkpoints restore,
+    save_hf writes a model transformers loads.
 
     Under torch.distributed every rank calls this; `checkpoint_dir` (default: a shared temp dir) must be
     the same path on all ranks.
@@ -87,9 +88,35 @@ def check_training_engine(make_engine: Callable[[], TrainingEngine], vocab_size:
 
     names = [name for name, tensor in engine.export_hf_weights()]
     assert names and len(names) == len(set(names)), "export_hf_weights yields no or duplicate names"
+    check_save_hf(engine, batch.input_ids, retrained)
     engine.offload()
     engine.onload()
     assert all(torch.equal(a, b) for a, b in zip(retrained, engine.compute_logprobs(batch)))
+
+
+def check_save_hf(engine: TrainingEngine, input_ids: list[torch.Tensor], logprobs: list[torch.Tensor],
+                  tol: float = 1e-4) -> None:
+    """`save_hf` writes a directory that transformers loads into the engine's model: the loaded model's
+    logprobs (fp64 log-softmax, one sequence at a time) match the engine's `logprobs` of `input_ids`."""
+    from transformers import AutoModelForCausalLM
+
+    hf_dir = shared_temp_dir()
+    try:
+        engine.save_hf(hf_dir + "/hf")
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return
+        model = AutoModelForCausalLM.from_pretrained(hf_dir + "/hf", dtype=torch.float32).eval()
+        with torch.no_grad():
+            for ids, lp in zip(input_ids, logprobs):
+                logits = model(input_ids=ids[None]).logits[0].double()  # (L, V)
+                ref = torch.log_softmax(logits[:-1], -1).gather(-1, ids[1:, None])[:, 0]
+                diff = float((lp[1:].double() - ref).abs().max())
+                assert diff <= tol, f"save_hf's model differs from the engine: logprob diff {diff:.2e} > {tol}"
+    finally:
+        if dist.is_initialized():
+            dist.barrier()
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            shutil.rmtree(hf_dir, ignore_errors=True)
 
 
 def check_generation_backend(backend: GenerationBackend, prompts: list[list[int]], eos_token_id: int) -> None:
