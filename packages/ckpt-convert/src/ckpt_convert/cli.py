@@ -19,7 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     h2m.add_argument("--pp", type=int, default=1, help="pipeline parallel size (divisibility check)")
     h2m.add_argument("--ep", type=int, default=1, help="expert parallel size (MoE; divisibility check)")
     h2m.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="stored dtype")
-    m2h = sub.add_parser("mcore2hf", help="megatron-core checkpoint (+ ckpt_convert.json) -> HF safetensors")
+    m2h = sub.add_parser("mcore2hf", help="megatron-core checkpoint (+ ckpt_convert.json; e.g. a Megatron engine checkpoint) -> HF safetensors")
     m2h.add_argument("--mcore", required=True, help="megatron checkpoint directory")
     m2h.add_argument("--out", required=True, help="output directory (must not exist)")
     return parser

@@ -105,7 +105,8 @@ def load_model_config(ckpt_dir: str | os.PathLike, **kwargs: Any) -> tuple[Any, 
     path = Path(ckpt_dir) / CONFIG_NAME
     if not path.is_file():
         raise ValueError(f"{path} not found: --mcore must be a checkpoint written by `ckpt-convert hf2mcore` "
-                         f"(or one saved with ckpt_convert.convert.save_model_config beside it)")
+                         "or MegatronEngine.save_checkpoint (or one with ckpt_convert.convert.save_model_config "
+                         "beside it)")
     saved = json.loads(path.read_text())
     hf_dict = dict(saved["hf_config"])
     hf_architecture(hf_dict)
