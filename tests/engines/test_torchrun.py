@@ -36,6 +36,7 @@ def _one_rank(rank: int, world_size: int, engine: str, ckpt: str) -> dict:
     return _load_step_module().train_one_step(engine, ckpt, VOCAB)
 
 
+@pytest.mark.slow  # a fresh torchrun launch imports torch, transformers (and megatron) on each rank
 @pytest.mark.distributed
 @pytest.mark.parametrize("engine", ["dtensor", "megatron"])
 def test_torchrun_two_ranks_equal_one_rank(tmp_path, engine):
