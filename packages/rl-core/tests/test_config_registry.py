@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import pytest
@@ -11,7 +12,7 @@ from rl_core.config import ConfigError, PolicyConfig, parse_config
 from rl_core.losses import LossConfig
 from rl_core.metrics import all_reduce_metrics, combine_metrics
 from rl_core.registry import ENGINES, Registry, create_engine, register_engine
-from rl_core.testing.distributed import run_distributed
+from rl_core.testing.distributed import CUDA_BACKEND, run_distributed
 
 
 @dataclass(kw_only=True)
@@ -112,3 +113,26 @@ def _reduce_on_rank(rank, world_size):
 def test_all_reduce_metrics_over_two_ranks():
     results = run_distributed(_reduce_on_rank, world_size=2)
     assert results[0] == results[1] == {"loss": 3.0, "ratio_min": 0.0, "ratio_max": 1.0}
+
+
+_SET_IN_PARENT_ONLY: list[int] = []  # a forked rank would inherit the parent's append; a spawned one not
+
+
+def _rank_and_cuda_state(rank, world_size):
+    return all_reduce_metrics({"loss": float(rank + 1)}), len(_SET_IN_PARENT_ONLY), os.getpid()
+
+
+@pytest.mark.distributed
+def test_run_distributed_spawn_mode_runs_gloo_ranks_in_fresh_interpreters():
+    """The start method CUDA tests use: spawned ranks load the test function from this file by path."""
+    _SET_IN_PARENT_ONLY.append(1)
+    results = run_distributed(_rank_and_cuda_state, world_size=2, start_method="spawn")
+    _SET_IN_PARENT_ONLY.clear()
+    assert [r[0] for r in results] == [{"loss": 3.0}, {"loss": 3.0}]
+    assert [r[1] for r in results] == [0, 0]
+    assert len({r[2] for r in results} | {os.getpid()}) == 3
+
+
+def test_run_distributed_refuses_to_fork_nccl_ranks():
+    with pytest.raises(ValueError, match="forked ranks cannot use CUDA"):
+        run_distributed(_rank_and_cuda_state, world_size=2, backend=CUDA_BACKEND, start_method="fork")

@@ -1,27 +1,37 @@
-"""Run a function on N gloo ranks by forking the test process.
+"""Run a function on N ranks by forking (CPU) or spawning (CUDA) the test process.
 
 torchrun costs ~9 s per launch; forking a process that has already imported torch (and megatron)
 costs ~0.3 s (shared/notes/megatron-cpu-probe/part2). Every package's multi-rank tests use this:
 
     results = run_distributed(my_check, world_size=2, args=(...))   # one return value per rank
 
-The function runs as `fn(rank, world_size, *args)` inside an initialised gloo process group with one
-OpenMP thread; exceptions on any rank are re-raised in the parent with the rank's traceback.
+The function runs as `fn(rank, world_size, *args)` inside an initialised process group (gloo unless
+`backend` says otherwise) with one OpenMP thread; exceptions on any rank are re-raised in the parent
+with the rank's traceback. A forked child cannot use CUDA once the parent touched it ("Cannot
+re-initialize CUDA in forked subprocess"), so ranks are spawned whenever CUDA is involved (an NCCL
+backend such as `CUDA_BACKEND`, or CUDA already initialised in this process): `fn` and `args` must then
+be picklable and each rank pays the imports again (seconds).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
 import multiprocessing as mp
 import os
 import pickle
+import sys
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from rl_core.distributed import free_port
 
+CUDA_BACKEND = "cpu:gloo,cuda:nccl"  # the engines' own choice with CUDA: NCCL for GPU tensors, gloo for CPU ones
 
-def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, queue: Any) -> None:
+
+def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, queue: Any, backend: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -29,7 +39,11 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, qu
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if isinstance(fn, _FunctionByFile):
+            fn = fn.load()
+        if "nccl" in backend:
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         # Plain pickle: torch's ForkingPickler would pass tensors as shared-memory handles that die
         # with this process before the parent reads them.
@@ -41,12 +55,52 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, qu
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int = 2, args: tuple = (), timeout: float = 300.0) -> list:
-    """Run `fn(rank, world_size, *args)` on `world_size` forked gloo ranks; return results by rank."""
-    ctx = mp.get_context("fork")
+@dataclass(frozen=True)
+class _FunctionByFile:
+    """A function a spawned rank loads from its source file: pytest's importlib mode gives test modules
+    names that a fresh interpreter cannot import, so pickling the function by module name would fail."""
+
+    path: str
+    module: str
+    qualname: str
+
+    def load(self) -> Callable:
+        module = sys.modules.get(self.module)
+        if module is None:
+            spec = importlib.util.spec_from_file_location(self.module, self.path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[self.module] = module
+            spec.loader.exec_module(module)
+        target: Any = module
+        for part in self.qualname.split("."):
+            target = getattr(target, part)
+        return target
+
+
+def start_method_for(backend: str) -> str:
+    """'spawn' whenever CUDA is involved (an NCCL group, or CUDA initialised in this process), else 'fork'."""
+    import torch
+
+    return "spawn" if "nccl" in backend or torch.cuda.is_initialized() else "fork"
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int = 2, args: tuple = (), timeout: float = 300.0,
+                    backend: str = "gloo", start_method: str | None = None) -> list:
+    """Run `fn(rank, world_size, *args)` on `world_size` ranks; return results by rank.
+
+    `start_method` None picks `start_method_for(backend)`; "spawn" may be forced (tests of the spawn path).
+    """
+    method = start_method or start_method_for(backend)
+    if method == "fork" and start_method_for(backend) == "spawn":
+        raise ValueError("run_distributed(start_method='fork') after CUDA was initialised (or with an NCCL backend): "
+                         "forked ranks cannot use CUDA; leave start_method=None to spawn them")
+    ctx = mp.get_context(method)
+    if method == "spawn":
+        fn = _FunctionByFile(inspect.getfile(fn), fn.__module__, fn.__qualname__)
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue)) for r in range(world_size)]
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue, backend))
+             for r in range(world_size)]
     for proc in procs:
         proc.start()
     results: dict[int, Any] = {}
