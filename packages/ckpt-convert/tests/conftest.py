@@ -23,11 +23,14 @@ ensure_cpu_compat()
 
 def _warm_megatron_save_queue() -> None:
     """megatron's torch_dist save starts a *spawned* multiprocessing Manager on its first call in a process
-    (filesystem_async._get_write_results_queue) and caches it in a module global. Create it once here, so
-    the forked test workers inherit the proxy instead of each spawning a Manager (seconds per worker)."""
+    and caches it in a module global. Create it once here, so the forked test workers inherit the proxy
+    instead of each spawning a Manager (seconds per worker). megatron-core 0.16 names the function
+    `_get_write_results_queue`, 0.19 `get_write_results_queue`."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    filesystem_async._get_write_results_queue()
+    get_queue = (getattr(filesystem_async, "get_write_results_queue", None)
+                 or filesystem_async._get_write_results_queue)
+    get_queue()
 
 
 _warm_megatron_save_queue()

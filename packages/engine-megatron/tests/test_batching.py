@@ -18,11 +18,24 @@ from rl_core.testing.contracts import random_token_batch
 from rl_core.testing.distributed import run_distributed
 
 
-def _settings(packing: bool, tp: int = 1, cp: int = 1, sp: bool = False) -> ResolvedSettings:
+def _settings(packing: bool, tp: int = 1, cp: int = 1, sp: bool = False, use_cuda: bool = False,
+              attention: str = "local") -> ResolvedSettings:
     pack = 2 * cp * tp if cp * tp > 1 else 1
     return ResolvedSettings(sequence_parallel=sp, packing=packing, pack_multiple=pack,
                             seq_multiple=pack if cp > 1 else (tp if sp else 1), transformer_overrides={},
-                            use_cuda=False)
+                            use_cuda=use_cuda, attention=attention)
+
+
+def test_thd_params_only_with_te_attention() -> None:
+    """CUDA without TE keeps the block-diagonal row (megatron's local attention rejects THD)."""
+    batch = random_token_batch(VOCAB, [3, 2])
+    plan = seqpack.plan_micro_batches(batch.lengths, packing=True)
+    (local,) = batching.build_micro_batches(batch, plan, _settings(True, use_cuda=True), uniform_shape=False)
+    assert local.packed_seq_params is None and local.attention_mask is not None
+    (te,) = batching.build_micro_batches(batch, plan, _settings(True, use_cuda=True, attention="transformer_engine"),
+                                        uniform_shape=False)
+    assert te.attention_mask is None and te.packed_seq_params.qkv_format == "thd"
+    assert te.packed_seq_params.cu_seqlens_q.tolist() == [0, 3, 5]
 
 
 def _stand_in(mb: batching.MicroBatch) -> torch.Tensor:

@@ -7,7 +7,7 @@ import time
 import pytest
 from megatron_testutil import make_policy
 
-from engine_megatron.config import parse_megatron_config, resolve_settings
+from engine_megatron.config import CUDA_FUSIONS, parse_megatron_config, resolve_settings
 from rl_core.config import ConfigError
 from rl_core.testing.distributed import run_distributed
 from rl_core.testing.tiny_models import tiny_config
@@ -32,24 +32,87 @@ def test_nested_sections_are_checked_against_megatron() -> None:
 
 
 def test_transformer_keys_pass_through_and_user_wins() -> None:
-    cfg = parse_megatron_config({"apply_rope_fusion": True, "moe_aux_loss_coeff": 0.01})
-    assert cfg.transformer_config == {"apply_rope_fusion": True, "moe_aux_loss_coeff": 0.01}
+    cfg = parse_megatron_config({"bias_dropout_fusion": False, "moe_aux_loss_coeff": 0.01})
+    assert cfg.transformer_config == {"bias_dropout_fusion": False, "moe_aux_loss_coeff": 0.01}
     policy = make_policy("unused")
     settings = resolve_settings(policy, cfg, tiny_config("qwen2"), world_size=1, use_cuda=False)
-    assert settings.transformer_overrides["apply_rope_fusion"] is True  # the user's value beats the CPU default
+    assert settings.transformer_overrides["moe_aux_loss_coeff"] == 0.01
     assert settings.transformer_overrides["gradient_accumulation_fusion"] is False
+
+
+def _simulate_cuda(monkeypatch, *, te: bool, apex: bool) -> None:
+    """CUDA present, with or without transformer-engine and apex (their import checks patched)."""
+    from ckpt_convert import mcore_model
+    from engine_megatron import config
+
+    available = {"apply_rope_fusion": te, "gradient_accumulation_fusion": apex, "persist_layer_norm": apex,
+                 "masked_softmax_fusion": apex, "bias_activation_fusion": True, "bias_dropout_fusion": True}
+    monkeypatch.setattr(config, "available_fusions", lambda: dict(available))
+    monkeypatch.setattr(mcore_model, "te_available", lambda: te)
+
+
+def test_cuda_without_te_or_apex_enables_only_the_torch_fusions(monkeypatch) -> None:
+    _simulate_cuda(monkeypatch, te=False, apex=False)
+    hf = tiny_config("qwen2")
+    packed = make_policy("x", sequence_packing={"enabled": True})
+    gpu = resolve_settings(packed, parse_megatron_config({}), hf, 1, use_cuda=True)
+    fusions = {k: gpu.transformer_overrides[k] for k in CUDA_FUSIONS}
+    assert fusions == {"apply_rope_fusion": False, "gradient_accumulation_fusion": False,
+                       "persist_layer_norm": False, "masked_softmax_fusion": False,
+                       "bias_activation_fusion": True, "bias_dropout_fusion": True}
+    assert gpu.attention == "local" and not gpu.thd_packing  # block-diagonal rows, not THD
+    assert "attention=local" in gpu.describe() and "apply_rope_fusion': False" in gpu.describe()
+    # megatron-core accepts exactly these flags without TE/apex (it raises for apply_rope_fusion otherwise)
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, **fusions)
+    with pytest.raises(ConfigError, match=r"policy\.megatron_cfg\.apply_rope_fusion=true needs transformer-engine "
+                                          r">= 1\.4.*does not import.*apply_rope_fusion=false"):
+        resolve_settings(packed, parse_megatron_config({"apply_rope_fusion": True}), hf, 1, use_cuda=True)
+    with pytest.raises(ConfigError, match=r"gradient_accumulation_fusion=true needs apex"):
+        resolve_settings(packed, parse_megatron_config({"gradient_accumulation_fusion": True}), hf, 1, True)
+    with pytest.raises(ConfigError, match=r"context_parallel_size=2 needs CUDA and transformer-engine"):
+        resolve_settings(packed, parse_megatron_config({"context_parallel_size": 2}), hf, 2, use_cuda=True)
+    off = resolve_settings(packed, parse_megatron_config({"bias_activation_fusion": False}), hf, 1, use_cuda=True)
+    assert off.transformer_overrides["bias_activation_fusion"] is False  # the user's key wins
+
+
+def test_cuda_with_te_and_apex_enables_every_fusion_and_thd(monkeypatch) -> None:
+    _simulate_cuda(monkeypatch, te=True, apex=True)
+    hf = tiny_config("qwen2")
+    gpu = resolve_settings(make_policy("x", sequence_packing={"enabled": True}),
+                           parse_megatron_config({"tensor_model_parallel_size": 2, "sequence_parallel": False,
+                                                  "context_parallel_size": 2}), hf, 4, True)
+    assert not gpu.sequence_parallel and gpu.pack_multiple == 8
+    assert all(gpu.transformer_overrides[k] for k in CUDA_FUSIONS)
+    assert gpu.attention == "transformer_engine" and gpu.thd_packing
+
+
+def test_fusion_asked_for_on_cpu_is_an_error() -> None:
+    with pytest.raises(ConfigError, match=r"persist_layer_norm=true needs apex.*this machine has no CUDA"):
+        resolve_settings(make_policy("x"), parse_megatron_config({"persist_layer_norm": True}), tiny_config("qwen2"),
+                         1, use_cuda=False)
+
+
+def test_available_fusions_matches_what_imports_here() -> None:
+    """On this machine (no TE, no apex) only the torch-implemented fusions count as available."""
+    import importlib.util
+
+    from engine_megatron.config import available_fusions
+
+    found = available_fusions()
+    assert found["apply_rope_fusion"] == (importlib.util.find_spec("transformer_engine") is not None)
+    assert found["gradient_accumulation_fusion"] == (importlib.util.find_spec("fused_weight_gradient_mlp_cuda")
+                                                     is not None)
+    assert found["bias_activation_fusion"] and found["bias_dropout_fusion"]
 
 
 def test_automatic_settings() -> None:
     hf = tiny_config("qwen2")
     cpu = resolve_settings(make_policy("x"), parse_megatron_config({"tensor_model_parallel_size": 2}), hf, 2, False)
     assert cpu.sequence_parallel and cpu.seq_multiple == 2
-    assert not any(cpu.transformer_overrides[k] for k in ("persist_layer_norm", "masked_softmax_fusion"))
+    assert not any(cpu.transformer_overrides[k] for k in CUDA_FUSIONS)
     assert cpu.transformer_overrides["batch_p2p_comm"] is False
-    gpu = resolve_settings(make_policy("x", sequence_packing={"enabled": True}),
-                           parse_megatron_config({"tensor_model_parallel_size": 2, "sequence_parallel": False,
-                                                  "context_parallel_size": 2}), hf, 4, True)
-    assert not gpu.sequence_parallel and gpu.pack_multiple == 8 and gpu.transformer_overrides["apply_rope_fusion"]
 
 
 @pytest.mark.parametrize(

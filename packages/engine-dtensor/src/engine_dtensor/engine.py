@@ -139,7 +139,8 @@ class DTensorEngine:
         build = build_packed_inputs if self.policy.sequence_packing.enabled else build_padded_inputs
         inputs = build(seqs, attn_impl=self.attn_impl, seq_multiple=self.seq_multiple, device=self.device)
         logprobs, entropy = forward_logprobs(
-            self.model, inputs, temperature=self.policy.temperature, with_entropy=with_entropy
+            self.model, inputs, temperature=self.policy.temperature, with_entropy=with_entropy,
+            chunk_tokens=self.policy.logprob_chunk_tokens,
         )
         return inputs.unpack(logprobs), None if entropy is None else inputs.unpack(entropy)
 

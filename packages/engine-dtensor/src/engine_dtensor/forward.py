@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 import seqpack
 from engine_dtensor.attention import SEGMENT_SDPA
 from engine_dtensor.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
-from rl_core.logprobs import shift_align
+from rl_core.logprobs import DEFAULT_LOGPROB_CHUNK_TOKENS, shift_align
 
 
 @dataclass
@@ -97,7 +97,8 @@ def build_packed_inputs(
 
 
 def forward_logprobs(
-    model: nn.Module, inputs: ModelInputs, *, temperature: float, with_entropy: bool
+    model: nn.Module, inputs: ModelInputs, *, temperature: float, with_entropy: bool,
+    chunk_tokens: int = DEFAULT_LOGPROB_CHUNK_TOKENS,
 ) -> tuple[Tensor, Tensor | None]:
     """Token-aligned logprobs (B, S) of `inputs` (and entropies, no grad) from one model forward."""
     logits = model(
@@ -116,10 +117,11 @@ def forward_logprobs(
     # logits at t predict token t+1; the last column predicts nothing and is dropped below
     targets = torch.roll(inputs.input_ids, -1, dims=1)
     next_lp = vocab_parallel_logprobs(
-        logits, targets, vocab_start=vocab_start, group=group, temperature=temperature
+        logits, targets, vocab_start=vocab_start, group=group, temperature=temperature, chunk_tokens=chunk_tokens
     )
     logprobs = shift_align(next_lp[:, :-1])  # (B, S), 0 at t = 0
     entropy = None
     if with_entropy:
-        entropy = shift_align(vocab_parallel_entropy(logits, group=group, temperature=temperature)[:, :-1])
+        entropy = vocab_parallel_entropy(logits, group=group, temperature=temperature, chunk_tokens=chunk_tokens)
+        entropy = shift_align(entropy[:, :-1])
     return logprobs, entropy

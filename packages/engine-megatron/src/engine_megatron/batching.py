@@ -2,7 +2,7 @@
 
 Owns: the micro-batch plan (seqpack's token-budget planner, the same count on every DP rank), the model
 inputs of one micro-batch (padded rows with megatron's causal mask, or one packed row with a
-block-diagonal mask on CPU / THD `PackedSeqParams` with transformer-engine on GPU), the context-parallel
+block-diagonal mask without transformer-engine / THD `PackedSeqParams` with it), the context-parallel
 shard of a packed row (seqpack's load-balanced layout), and reading per-sequence results back out of the
 rows. Does not run the model or the loss.
 
@@ -106,7 +106,7 @@ def build_micro_batches(batch: TokenBatch, mb_plan: seqpack.MicroBatchPlan, sett
         rows = max(mb.shape[0] for mb in mbs)
         cols = max(mb.shape[1] for mb in mbs)
         mbs = [_pad_to(mb, rows, cols) for mb in mbs]
-    if settings.use_cuda and settings.packing:
+    if settings.thd_packing:  # TE's attention; megatron's local one rejects THD and keeps the block mask
         for mb in mbs:
             mb.packed_seq_params = _thd_params(mb)
             mb.attention_mask = None

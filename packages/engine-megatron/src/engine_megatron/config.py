@@ -4,12 +4,15 @@ Owns `MegatronConfig` (validated from the raw `policy.megatron_cfg` mapping with
 the pass-through of every other key to megatron's `TransformerConfig` (checked against its fields), and
 `resolve_settings`, which turns (policy, megatron_cfg, HF config, world size, device) into the concrete
 settings the engine uses and logs: sequence parallel on with TP > 1, sequence padding for packing,
-CUDA-only fusions, pipeline communication that works under gloo. Does not build anything.
+the fusions whose libraries import, TE or local attention (THD or block-diagonal packing), pipeline
+communication that works under gloo. Does not build anything.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
 import logging
 import math
 from dataclasses import dataclass, field
@@ -20,16 +23,58 @@ from rl_core.config import ConfigError, PolicyConfig, closest_key, parse_config
 logger = logging.getLogger(__name__)
 
 SECTION = "policy.megatron_cfg"
-# TransformerConfig flags whose kernels exist only with CUDA (shared/notes/megatron-cpu-probe): off
-# without CUDA, on with it, unless the user set them.
-CUDA_FUSIONS = (
-    "gradient_accumulation_fusion",
-    "persist_layer_norm",
-    "apply_rope_fusion",
-    "bias_activation_fusion",
-    "bias_dropout_fusion",
-    "masked_softmax_fusion",
-)
+# TransformerConfig fusion flags -> what implements each one (named in the error when it is missing). A
+# fusion is on by default exactly when CUDA is present and its library imports (megatron-core raises, or
+# fails mid-run, otherwise: shared/notes/megatron-cpu-probe, issue 13).
+FUSION_LIBRARIES = {
+    "apply_rope_fusion": "transformer-engine >= 1.4",
+    "gradient_accumulation_fusion": "apex built with --cuda_ext (module fused_weight_gradient_mlp_cuda)",
+    "persist_layer_norm": "apex built with --cuda_ext (apex.contrib.layer_norm)",
+    "masked_softmax_fusion": "apex built with --cuda_ext (modules scaled_masked_softmax_cuda, "
+                             "scaled_upper_triang_masked_softmax_cuda)",
+    "bias_activation_fusion": "CUDA (torch's jit-fused kernels)",
+    "bias_dropout_fusion": "CUDA (torch's jit-fused kernels)",
+}
+CUDA_FUSIONS = tuple(FUSION_LIBRARIES)
+
+
+def _imports(*modules: str) -> bool:
+    try:
+        for name in modules:
+            importlib.import_module(name)
+    except Exception:  # noqa: BLE001 - missing or broken (e.g. built for another torch): not usable
+        return False
+    return True
+
+
+def _rope_fusion_available() -> bool:
+    """megatron-core's own check (0.16 and 0.19): its TE rope functions are None without TE >= 1.4."""
+    if not _imports("transformer_engine.pytorch"):
+        return False
+    from megatron.core.models.common.embeddings import rope_utils
+
+    return rope_utils.fused_apply_rotary_pos_emb is not None or rope_utils.fused_apply_rotary_pos_emb_thd is not None
+
+
+@functools.cache
+def available_fusions() -> dict[str, bool]:
+    """Which fusions' libraries import on this machine with CUDA (checked once per process)."""
+    return {
+        "apply_rope_fusion": _rope_fusion_available(),
+        "gradient_accumulation_fusion": _imports("fused_weight_gradient_mlp_cuda"),
+        "persist_layer_norm": _imports("apex.contrib.layer_norm.layer_norm"),
+        "masked_softmax_fusion": _imports("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda"),
+        "bias_activation_fusion": True,
+        "bias_dropout_fusion": True,
+    }
+
+
+def attention_backend(use_cuda: bool) -> Literal["transformer_engine", "local"]:
+    """The one decision between TE's layer spec (THD packing, context parallelism) and megatron's local
+    modules (block-diagonal packing): ckpt-convert's `layer_spec` and the batching both follow it."""
+    from ckpt_convert import mcore_model
+
+    return "transformer_engine" if use_cuda and mcore_model.te_available() else "local"
 
 
 @dataclass(kw_only=True)
@@ -164,6 +209,12 @@ class ResolvedSettings:
     seq_multiple: int  # a padded micro-batch's length is a multiple of this (TP with SP, 2*CP*TP with CP)
     transformer_overrides: dict[str, Any]  # extra TransformerConfig fields passed to ckpt-convert
     use_cuda: bool
+    attention: Literal["transformer_engine", "local"] = "local"
+
+    @property
+    def thd_packing(self) -> bool:
+        """Packed rows as THD `PackedSeqParams` (TE's attention only), else one row with a block mask."""
+        return self.packing and self.attention == "transformer_engine"
 
     def describe(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items())
@@ -188,9 +239,11 @@ def resolve_settings(policy: PolicyConfig, cfg: MegatronConfig, hf_config: Any, 
     if cfg.cp > 1 and not packing:
         raise ConfigError(f"{SECTION}.context_parallel_size={cfg.cp} needs packed sequences: set "
                           "policy.sequence_packing.enabled=true (CP shards the load-balanced packed layout)")
-    if cfg.cp > 1 and not use_cuda:
+    attention = attention_backend(use_cuda)
+    if cfg.cp > 1 and attention != "transformer_engine":
         raise ConfigError(f"{SECTION}.context_parallel_size={cfg.cp} needs CUDA and transformer-engine (megatron's "
-                          "local attention has no context parallelism); use context_parallel_size=1 on CPU")
+                          "local attention has no context parallelism); install transformer-engine or use "
+                          "context_parallel_size=1")
     num_experts = getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None)
     if cfg.ep > 1 and (not num_experts or num_experts % cfg.ep):
         raise ConfigError(f"{SECTION}.expert_model_parallel_size={cfg.ep} must divide the number of experts "
@@ -206,11 +259,24 @@ def resolve_settings(policy: PolicyConfig, cfg: MegatronConfig, hf_config: Any, 
     seq_multiple = pack_multiple if cfg.cp > 1 else (cfg.tp if sp else 1)
     overrides = _automatic_overrides(cfg, use_cuda)
     return ResolvedSettings(sequence_parallel=sp, packing=packing, pack_multiple=pack_multiple,
-                            seq_multiple=seq_multiple, transformer_overrides=overrides, use_cuda=use_cuda)
+                            seq_multiple=seq_multiple, transformer_overrides=overrides, use_cuda=use_cuda,
+                            attention=attention)
+
+
+def _fusions(cfg: MegatronConfig, use_cuda: bool) -> dict[str, bool]:
+    """Each fusion on when CUDA is present and its library imports; a user key wins unless it asks for a
+    fusion that cannot run here."""
+    available = available_fusions() if use_cuda else dict.fromkeys(FUSION_LIBRARIES, False)
+    for name, library in FUSION_LIBRARIES.items():
+        if cfg.transformer_config.get(name) and not available[name]:
+            where = "this machine has no CUDA" if not use_cuda else f"{library} does not import"
+            raise ConfigError(f"{SECTION}.{name}=true needs {library}, and {where}; install it or set "
+                              f"{SECTION}.{name}=false (or leave it out: it is on whenever it can run)")
+    return dict(available)
 
 
 def _automatic_overrides(cfg: MegatronConfig, use_cuda: bool) -> dict[str, Any]:
-    out: dict[str, Any] = {name: use_cuda for name in CUDA_FUSIONS}
+    out: dict[str, Any] = _fusions(cfg, use_cuda)
     # gloo has no batched p2p that megatron's interleaved schedule can use correctly (the probe measured
     # silently wrong grads with batch_p2p_comm=True under gloo): use single send/recv without CUDA.
     out["batch_p2p_comm"] = use_cuda

@@ -236,7 +236,11 @@ class MegatronEngine:
 
     def _forward_step(self, data_iterator: Iterator[batching.MicroBatch], model: Any) -> tuple[Tensor, Any]:
         mb = next(data_iterator)
-        output = model(mb.tokens, mb.position_ids, mb.attention_mask, packed_seq_params=mb.packed_seq_params)
+        # bf16/fp16: keep the logits in that dtype (Float16Module would upcast all tokens x vocab to fp32);
+        # the logprob chunks upcast chunk_tokens rows at a time.
+        tc = self.model_cfg.transformer_config
+        half = {"fp32_output": False} if tc.bf16 or tc.fp16 else {}
+        output = model(mb.tokens, mb.position_ids, mb.attention_mask, packed_seq_params=mb.packed_seq_params, **half)
         return output, functools.partial(self._loss_of, mb)
 
     def _loss_of(self, mb: batching.MicroBatch, logits: Tensor) -> tuple[Tensor, dict]:
@@ -245,7 +249,8 @@ class MegatronEngine:
 
         state = self._state
         temperature = self.policy.temperature
-        logprobs = vocab_parallel_logprobs(logits, mb.targets, self.vocab_size, temperature)  # (B, S)
+        chunk = self.policy.logprob_chunk_tokens
+        logprobs = vocab_parallel_logprobs(logits, mb.targets, self.vocab_size, temperature, chunk)  # (B, S)
         cp_group = ps.get_context_parallel_group() if self.ranks.cp_size > 1 else None
         if cp_group is not None:
             logprobs = batching.gather_cp(logprobs, mb, cp_group)
@@ -254,8 +259,8 @@ class MegatronEngine:
                 state.logprobs.append([lp.float().cpu() for lp in batching.per_sequence(logprobs.detach(), mb)]
                                       if mb.weight else [])
             # a zero that still runs the backward (and its TP/PP collectives) like every other micro-batch
-            return logits.float().sum() * 0.0, {}
-        entropy = vocab_parallel_entropy(logits, self.vocab_size, temperature)
+            return logits.sum().float() * 0.0, {}
+        entropy = vocab_parallel_entropy(logits, self.vocab_size, temperature, chunk)
         if cp_group is not None:
             entropy = batching.gather_cp(entropy, mb, cp_group).detach()
         inputs = LossInputs.from_sequences(

@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
+from rl_core.logprobs import DEFAULT_LOGPROB_CHUNK_TOKENS
+
 T = TypeVar("T")
 
 
@@ -189,6 +191,9 @@ class PolicyConfig:
     logprob_batch_size: int = 8
     max_grad_norm: float | None = 1.0
     temperature: float = 1.0  # logits are divided by the sampling temperature before log-softmax
+    # tokens per chunk of the fp32 log-softmax / entropy (rl_core.logprobs): bounds those intermediates to
+    # logprob_chunk_tokens x vocab x 4 bytes (0.87 GiB at a 152k vocabulary by default)
+    logprob_chunk_tokens: int = DEFAULT_LOGPROB_CHUNK_TOKENS
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     sequence_packing: SequencePackingConfig = field(default_factory=SequencePackingConfig)
@@ -202,7 +207,7 @@ class PolicyConfig:
     megatron_cfg: dict[str, Any] = field(default_factory=lambda: {"enabled": False})
 
     def __post_init__(self) -> None:
-        for key in ("train_global_batch_size", "train_micro_batch_size", "logprob_batch_size"):
+        for key in ("train_global_batch_size", "train_micro_batch_size", "logprob_batch_size", "logprob_chunk_tokens"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"policy.{key} must be >= 1; got {getattr(self, key)}")
         if self.temperature <= 0:
