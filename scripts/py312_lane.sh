@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The python 3.12 / megatron-core 0.19 lane: the engine-megatron and ckpt-convert suites in .venv-py312.
+#
+# Why: on python >= 3.12 uv.lock resolves megatron-core 0.19 (0.16 on 3.11, the default .venv), and
+# megatron-core changes private and public APIs between them. The venv (.venv-py312, gitignored) is
+# synced from the same lock; uv only uses a python 3.12 that is already installed (never downloads).
+# Python: $PY312, else a working `python3.12` on PATH, `uv python find 3.12`, or pyenv's 3.12.
+# Usage: bash scripts/py312_lane.sh [extra pytest args]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+works() { [ -n "$1" ] && "$1" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1; }
+
+PY="${PY312:-}"
+works "$PY" || PY="$(command -v python3.12 || true)"
+works "$PY" || PY="$(UV_PYTHON_DOWNLOADS=never uv python find 3.12 2>/dev/null || true)"
+works "$PY" || PY="$(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12 2>/dev/null | tail -n 1 || true)"
+if ! works "$PY"; then
+  echo "py312 lane: no working python 3.12 found (tried \$PY312, python3.12 on PATH, 'uv python find 3.12'," \
+       "pyenv versions). Install python 3.12 or set PY312=/path/to/python3.12." >&2
+  exit 1
+fi
+echo "py312 lane: $PY -> .venv-py312 (megatron-core from uv.lock for python 3.12)" >&2
+export UV_PROJECT_ENVIRONMENT=.venv-py312 UV_PYTHON_DOWNLOADS=never
+uv sync --locked --python "$PY" --quiet
+.venv-py312/bin/python -m pytest -m "not slow and not vllm" packages/engine-megatron packages/ckpt-convert "$@"
