@@ -45,6 +45,8 @@ def model_flops(model: torch.nn.Module, lengths: list[int]) -> tuple[float, int]
     """(FLOPs of one training pass by 6 N T + 12 L d sum len^2, N) for `model` on sequences of `lengths`."""
     cfg = model.config
     n_matmul = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    if getattr(cfg, "tie_word_embeddings", False):  # parameters() counts the shared matrix once: the LM head
+        n_matmul += model.get_input_embeddings().weight.numel()
     dense = 6 * n_matmul * sum(lengths)
     attention = 12 * cfg.num_hidden_layers * cfg.hidden_size * sum(x * x for x in lengths)
     return float(dense + attention), n_matmul

@@ -56,7 +56,8 @@ def resolve_attn_implementation(requested: str, device: torch.device, precision:
         return requested
     if device.type == "cuda" and has_flash and precision == "bfloat16":
         return "flash_attention_2"
-    logger.info("attention: %s (packed sequences: one causal sdpa each, not flash-attn varlen)", SEGMENT_SDPA)
+    logger.info("attention: %s (packed sequences: a varlen kernel on CUDA in bf16, else one causal sdpa each)",
+                SEGMENT_SDPA)
     return SEGMENT_SDPA
 
 
