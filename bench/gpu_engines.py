@@ -122,9 +122,9 @@ def _rank_fn(rank: int, world: int, model: str, engine_name: str, packed: bool, 
 
 
 def measure(model: Path, engine: str, packed: bool, lengths: list[int], args: argparse.Namespace) -> dict:
-    from rl_core.testing.distributed import run_distributed
+    from rl_core.testing.distributed import CUDA_BACKEND, run_distributed
 
-    backend = "nccl" if args.device == "cuda" else "gloo"
+    backend = CUDA_BACKEND if args.device == "cuda" else "gloo"
     return run_distributed(_rank_fn, world_size=1, timeout=1800.0, backend=backend,
                            start_method="spawn" if args.device == "cuda" else None,
                            args=(str(model), engine, packed, lengths, args.mb_tokens, args.repeats, args.device,
