@@ -12,10 +12,11 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
+from grpo_app.devices import Hardware, detect_hardware, resolve_auto
 from rl_core.config import ConfigError, PolicyConfig, parse_config, unknown_key_error
 from rl_core.losses import LossConfig
 
@@ -61,16 +62,9 @@ class GenerationConfig:
     colocated: bool = True  # share devices with training: sleep/wake around each phase
     # verl's hybrid engine: every policy rank hosts its own generation backend and generates its share of
     # the prompts; refit is an in-process copy, and there are no generation actors (one process and one
-    # torch import fewer each). Torch backend only: vLLM sets up its own distributed state.
+    # torch import fewer each). YAML `auto` (the default): true on GPUs when colocated (grpo_app.devices).
     in_policy_workers: bool = False
     backend_kwargs: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.in_policy_workers and self.backend != "torch":
-            raise ConfigError(
-                f"generation.in_policy_workers=true needs generation.backend='torch' (got {self.backend!r}: it "
-                "runs in its own generation actors); set generation.in_policy_workers=false"
-            )
 
 
 @dataclass(kw_only=True)
@@ -101,8 +95,9 @@ class ClusterConfig:
     """`cluster.*`: where the workers run."""
 
     address: str | None = None  # join an existing Ray cluster ("auto" or host:port); None starts a local one
+    device: Literal["cpu", "cuda"] = "cpu"  # YAML `auto` (the default) resolves in grpo_app.devices
     num_nodes: int = 1
-    gpus_per_node: int = 0  # 0: CPU training with gloo
+    gpus_per_node: int = 0  # 0: CPU training with gloo; with device cuda on a local run, 0 = every local GPU
     train_world_size: int = 1  # policy ranks = dp x tp x pp x cp
     num_cpus: int | None = None
 
@@ -213,8 +208,12 @@ def parse_value(raw: str) -> Any:
     return value
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> GRPOConfig:
-    """The validated config from a YAML file (default: the CPU default) plus dotted overrides."""
+def load_config(path: str | Path | None = None, overrides: list[str] = (),
+                hardware: Hardware | None = None) -> GRPOConfig:
+    """The validated config from a YAML file (default: the CPU default) plus dotted overrides, with every
+    `auto` resolved for `hardware` (default: this machine's) and the refit layout checked."""
+    from grpo_app.refit import refit_path
+
     data = load_yaml(path or DEFAULT_CONFIG)
     for assignment in overrides:
         apply_override(data, assignment)
@@ -222,4 +221,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> GR
     for key in data:
         if key not in names:
             raise unknown_key_error("", key, names)
-    return parse_config(GRPOConfig, data)
+    cfg = parse_config(GRPOConfig, resolve_auto(data, hardware or detect_hardware()))
+    refit_path(cfg)  # a placement that cannot work fails here, naming the keys
+    return cfg

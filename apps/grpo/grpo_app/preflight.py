@@ -12,6 +12,8 @@ import logging
 from pathlib import Path
 
 from grpo_app.config import GRPOConfig
+from grpo_app.devices import check_hardware, detect_hardware
+from grpo_app.model_shapes import SHAPE_PREFIX, cached_shape_checkpoint
 from rl_core.config import ConfigError
 from rl_core.interfaces import ValidatesConfig
 from rl_core.registry import ENGINES, GENERATION_BACKENDS
@@ -31,6 +33,8 @@ def resolve_model(cfg: GRPOConfig) -> GRPOConfig:
         path = cached_tiny_checkpoint(arch, seed=cfg.grpo.seed)
         logger.info("policy.model_name=%s -> tiny %s checkpoint built locally at %s", name, arch, path)
         name = str(path)
+    if name.startswith(SHAPE_PREFIX):
+        name = str(cached_shape_checkpoint(name[len(SHAPE_PREFIX):], seed=cfg.grpo.seed))
     if not (Path(name) / "config.json").is_file():
         raise ConfigError(
             f"policy.model_name={name!r} is not a local Hugging Face checkpoint directory (no config.json); "
@@ -42,6 +46,7 @@ def resolve_model(cfg: GRPOConfig) -> GRPOConfig:
 def preflight(cfg: GRPOConfig) -> GRPOConfig:
     """Validate what the config points at; returns the config with the model path resolved."""
     cfg = resolve_model(cfg)
+    check_hardware(cfg.cluster, detect_hardware())
     engine_cls = ENGINES.get(cfg.policy.engine_name, config_key=cfg.policy.engine_config_key)
     if isinstance(engine_cls, ValidatesConfig):
         engine_cls.validate_config(cfg.policy)

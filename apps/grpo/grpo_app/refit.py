@@ -1,6 +1,12 @@
-"""Weight refit: stream the policy's full HF-named tensors into the generation workers.
+"""Weight refit: stream the policy's full HF-named tensors into the generators.
 
-Tensors travel over a dedicated torch.distributed group (gloo on CPU, NCCL on GPU) between policy
+`refit_path` picks the path from the placement, before anything starts: a generator inside the policy
+process (`generation.in_policy_workers`) takes the tensors as they stream out of `export_hf_weights`, an
+in-process copy with no group; generation workers on their own GPUs receive them over NCCL, on CPU over
+gloo. Colocated generation workers on a GPU would need two NCCL ranks on one device, which NCCL refuses
+(`ncclInvalidUsage: Duplicate GPU detected`), so that layout is a config error.
+
+Between processes, tensors travel over a dedicated torch.distributed group (gloo on CPU, NCCL on GPU) between policy
 rank 0 (group rank 0) and every generation worker, never through Ray's object store. The group is a
 standalone process group over its own TCPStore, so it does not disturb the policy's training group.
 Each tensor is preceded by a small header (name, dtype, shape) so the receiver needs no side channel;
@@ -10,12 +16,19 @@ a header with name length -1 ends the stream.
 from __future__ import annotations
 
 import datetime
+import enum
 import logging
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from rl_core.config import ConfigError
+
+if TYPE_CHECKING:
+    from grpo_app.config import GRPOConfig
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +36,41 @@ MAX_NAME_BYTES = 512
 MAX_DIMS = 8
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8,
           torch.bool, torch.int8]
+
+
+class RefitPath(enum.Enum):
+    IN_PROCESS = "in-process copy"  # the generator lives in the policy rank
+    NCCL = "NCCL group"  # generation workers on GPUs of their own
+    GLOO = "gloo group"  # generation workers on CPU
+
+
+def num_gpus_needed(cfg: GRPOConfig) -> int:
+    """Policy ranks one GPU each; separate (non-colocated) generation workers one GPU each after them."""
+    gen = cfg.generation
+    return cfg.cluster.train_world_size + (0 if gen.in_policy_workers or gen.colocated else gen.num_workers)
+
+
+def refit_path(cfg: GRPOConfig) -> RefitPath:
+    """How weights reach the generators for this placement; a layout that cannot work is a ConfigError."""
+    gen, cluster = cfg.generation, cfg.cluster
+    if cluster.device == "cuda":
+        have = cluster.gpus_per_node * cluster.num_nodes
+        if num_gpus_needed(cfg) > have:
+            raise ConfigError(
+                f"the layout needs {num_gpus_needed(cfg)} GPUs (cluster.train_world_size={cluster.train_world_size}"
+                + ("" if gen.in_policy_workers or gen.colocated else f" + generation.num_workers={gen.num_workers}")
+                + f") but cluster.gpus_per_node x num_nodes = {have}: lower them, or set generation.colocated=true")
+    if gen.in_policy_workers:
+        return RefitPath.IN_PROCESS
+    if cluster.device == "cpu":
+        return RefitPath.GLOO
+    if gen.colocated:
+        raise ConfigError(
+            "generation.colocated=true with generation.in_policy_workers=false on GPUs puts a generation worker and "
+            "a policy rank on one GPU, and NCCL refuses two ranks on one device: set generation.in_policy_workers="
+            "true (the generator lives in the policy process) or generation.colocated=false (generators on GPUs "
+            "of their own)")
+    return RefitPath.NCCL
 
 
 class RefitGroup:

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from grpo_app.config import CONFIG_DIR, apply_override, load_config, load_yaml
+from grpo_app.devices import Hardware
 from rl_core.config import ConfigError
 from rl_core.interfaces import ValidatesConfig
 from rl_core.registry import ENGINES
@@ -48,8 +49,9 @@ def test_cross_field_checks(tmp_path):
         load_config(path, ["generation.temperature=0.7"])
     with pytest.raises(ConfigError, match="train_global_batch_size"):
         load_config(path, ["policy.train_global_batch_size=7"])
-    with pytest.raises(ConfigError, match=r"in_policy_workers=true needs generation.backend='torch'"):
-        load_config(path, ["generation.in_policy_workers=true", "generation.backend=vllm"])
+    with pytest.raises(ConfigError, match="NCCL refuses two ranks on one device"):
+        load_config(path, ["cluster.device=cuda", "generation.in_policy_workers=false"],
+                    hardware=Hardware(cuda_available=True, bf16_supported=True, num_gpus=1))
     with pytest.raises(ConfigError, match=r"env.num_workers must be >= 0"):
         load_config(path, ["env.num_workers=-1"])
 

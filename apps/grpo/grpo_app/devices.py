@@ -1,0 +1,145 @@
+"""`auto` device, precision and generator placement: resolved once, from the hardware, before validation.
+
+Owns: `Hardware` (what the driver sees: CUDA, bf16 support, GPU count) and `resolve_auto`, a pure function
+of (raw config, Hardware) that turns every `auto` into a concrete value, so the saved config says what ran.
+Explicit user values always win. It does not decide the refit path (grpo_app.refit.refit_path) nor start
+anything.
+
+What `auto` means:
+- `cluster.device`: cuda when `cluster.gpus_per_node > 0` (a cluster's head may have no GPU) or, for a
+  local run, when the driver sees a GPU; else cpu. On cuda, `cluster.gpus_per_node: 0` becomes the
+  local GPU count.
+- `policy.precision`: bfloat16 on GPUs that support it, else float32 (no fp16 loss scaling here).
+- `generation.in_policy_workers` (when unset): true on cuda with `generation.colocated` (verl's hybrid
+  engine: no NCCL group between two processes on one GPU), false otherwise (CPU runs as before).
+- `generation.backend_kwargs`: the generator runs on the policy's device and precision (`device`,
+  `dtype`); a vLLM generator inside the policy ranks uses vLLM's `external_launcher` executor.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from rl_core.config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+AUTO = "auto"
+DEVICES = ("auto", "cpu", "cuda")
+# Backends that take `device` (vLLM picks its device from its platform and the visible GPUs).
+BACKENDS_WITH_DEVICE_KWARG = ("torch",)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the driver process sees; tests pass simulated values."""
+
+    cuda_available: bool
+    bf16_supported: bool
+    num_gpus: int
+
+
+def detect_hardware() -> Hardware:
+    import torch
+
+    if not torch.cuda.is_available():
+        return Hardware(cuda_available=False, bf16_supported=False, num_gpus=0)
+    return Hardware(cuda_available=True, bf16_supported=torch.cuda.is_bf16_supported(),
+                    num_gpus=torch.cuda.device_count())
+
+
+def _section(data: dict, key: str) -> dict:
+    section = data.setdefault(key, {})
+    if not isinstance(section, dict):
+        raise ConfigError(f"config section {key!r} must be a mapping; got {section!r}")
+    return section
+
+
+def resolve_device(cluster: dict, hw: Hardware) -> str:
+    """The concrete `cluster.device` (and, on cuda, `gpus_per_node`, in place); hardware checks come later
+    (`check_hardware`), so a GPU recipe still validates on a CPU-only machine."""
+    device = cluster.get("device", AUTO)
+    if device not in DEVICES:
+        raise ConfigError(f"cluster.device={device!r}; choose one of {list(DEVICES)}")
+    gpus = cluster.get("gpus_per_node", 0) or 0
+    local = not cluster.get("address")
+    if device == AUTO:
+        device = "cuda" if gpus > 0 or (local and hw.cuda_available) else "cpu"
+    if device == "cpu" and gpus > 0:
+        raise ConfigError(f"cluster.device=cpu but cluster.gpus_per_node={gpus}: set cluster.gpus_per_node=0 for a "
+                          "CPU run, or cluster.device=cuda")
+    if device == "cuda" and gpus == 0:
+        if not local:
+            raise ConfigError("cluster.device=cuda on a cluster (cluster.address set): set cluster.gpus_per_node "
+                              "to the GPUs per node; the driver cannot see the workers' GPUs")
+        cluster["gpus_per_node"] = hw.num_gpus
+    return device
+
+
+def check_hardware(cluster: Any, hw: Hardware) -> None:
+    """A local run asks for no more than this machine has (`cluster` is the validated ClusterConfig)."""
+    if cluster.address:
+        return  # Ray places the actors on the cluster's GPUs; the driver cannot count them
+    if cluster.num_nodes > 1:
+        raise ConfigError(f"cluster.num_nodes={cluster.num_nodes} needs a Ray cluster: start one (apps/grpo/GPU.md) "
+                          "and set cluster.address=auto, or set cluster.num_nodes=1")
+    if cluster.device == "cuda" and not hw.cuda_available:
+        raise ConfigError("cluster.device=cuda but this machine has no usable CUDA GPU (torch.cuda.is_available() "
+                          "is False): set cluster.device=cpu and cluster.gpus_per_node=0, or cluster.address to join "
+                          "a GPU cluster")
+    if cluster.gpus_per_node > hw.num_gpus:
+        raise ConfigError(f"cluster.gpus_per_node={cluster.gpus_per_node} but this machine has {hw.num_gpus} GPU(s): "
+                          f"set cluster.gpus_per_node<={hw.num_gpus} (and cluster.train_world_size to fit)")
+
+
+def resolve_precision(policy: dict, device: str, hw: Hardware, *, local: bool) -> str:
+    precision = policy.get("precision", "float32")
+    if precision != AUTO:
+        return precision
+    # A remote cluster's GPUs are invisible to the driver: assume bf16 there (every GPU since Ampere).
+    bf16 = device == "cuda" and (hw.bf16_supported or not local)
+    return "bfloat16" if bf16 else "float32"
+
+
+def resolve_generation(generation: dict, device: str, precision: str, world_size: int) -> None:
+    """The generator's placement and kwargs (in place): on the policy's device and in its precision."""
+    colocated = generation.get("colocated", True)
+    if generation.get("in_policy_workers", AUTO) in (AUTO, None):
+        generation["in_policy_workers"] = device == "cuda" and colocated
+    kwargs = generation.setdefault("backend_kwargs", {})
+    backend = generation.get("backend", "torch")
+    if backend in BACKENDS_WITH_DEVICE_KWARG:
+        kwargs.setdefault("device", device)
+        if kwargs["device"] == "cpu" and device == "cuda":
+            logger.warning("generation.backend_kwargs.device=cpu while the policy trains on cuda: generation "
+                           "runs on the CPU (slow) and every refit copies the weights to host memory; remove the "
+                           "key to generate on the policy's GPU")
+    kwargs.setdefault("dtype", precision)
+    if generation["in_policy_workers"] and backend not in BACKENDS_WITH_DEVICE_KWARG:
+        # vLLM inside the policy ranks: its workers join the ranks' torch.distributed world instead of
+        # spawning processes (verl's hybrid engine); the policy ranks are vLLM's data-parallel replicas.
+        kwargs.setdefault("distributed_executor_backend", "external_launcher")
+        tp = int(kwargs.get("tensor_parallel_size", 1))
+        if world_size % tp:
+            raise ConfigError(f"generation.backend_kwargs.tensor_parallel_size={tp} must divide "
+                              f"cluster.train_world_size={world_size} when the generator lives in the policy ranks")
+        kwargs.setdefault("data_parallel_size", world_size // tp)
+
+
+def resolve_auto(data: dict[str, Any], hw: Hardware) -> dict[str, Any]:
+    """A copy of the raw config with every `auto` made concrete for `hw` (see the module docstring)."""
+    data = copy.deepcopy(data)
+    cluster, policy, generation = _section(data, "cluster"), _section(data, "policy"), _section(data, "generation")
+    device = resolve_device(cluster, hw)
+    cluster["device"] = device
+    precision = resolve_precision(policy, device, hw, local=not cluster.get("address"))
+    if "precision" in policy or precision != "float32":
+        policy["precision"] = precision
+    resolve_generation(generation, device, precision, int(cluster.get("train_world_size", 1)))
+    logger.info("device %s, precision %s, generation %s (%s)", device, precision,
+                "in the policy ranks" if generation["in_policy_workers"] else "in its own workers",
+                ", ".join(f"{k}={v}" for k, v in sorted(generation["backend_kwargs"].items())))
+    return data

@@ -1,0 +1,148 @@
+"""The layout decisions, table-driven with simulated hardware: `auto` device/precision/generator placement
+(grpo_app.devices) and the refit path per placement (grpo_app.refit.refit_path)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from grpo_app.config import CONFIG_DIR, load_config
+from grpo_app.devices import Hardware, check_hardware
+from grpo_app.refit import RefitPath, refit_path
+from rl_core.config import ConfigError
+
+NO_GPU = Hardware(cuda_available=False, bf16_supported=False, num_gpus=0)
+ONE_GPU = Hardware(cuda_available=True, bf16_supported=True, num_gpus=1)
+ONE_OLD_GPU = Hardware(cuda_available=True, bf16_supported=False, num_gpus=1)  # e.g. a T4: no bf16
+EIGHT_GPUS = Hardware(cuda_available=True, bf16_supported=True, num_gpus=8)
+
+# (hardware, overrides) -> (device, gpus_per_node, precision, in_policy_workers, generator device, generator dtype)
+AUTO_CASES = [
+    (NO_GPU, [], ("cpu", 0, "float32", False, "cpu", "float32")),
+    (ONE_GPU, [], ("cuda", 1, "bfloat16", True, "cuda", "bfloat16")),
+    (ONE_OLD_GPU, [], ("cuda", 1, "float32", True, "cuda", "float32")),
+    (EIGHT_GPUS, [], ("cuda", 8, "bfloat16", True, "cuda", "bfloat16")),
+    # explicit values win over auto
+    (ONE_GPU, ["cluster.device=cpu"], ("cpu", 0, "float32", False, "cpu", "float32")),
+    (ONE_GPU, ["policy.precision=float32"], ("cuda", 1, "float32", True, "cuda", "float32")),
+    (ONE_GPU, ["generation.backend_kwargs.dtype=float32"], ("cuda", 1, "bfloat16", True, "cuda", "float32")),
+    (EIGHT_GPUS, ["cluster.gpus_per_node=2"], ("cuda", 2, "bfloat16", True, "cuda", "bfloat16")),
+    (NO_GPU, ["generation.in_policy_workers=true"], ("cpu", 0, "float32", True, "cpu", "float32")),
+    # a cluster's head may have no GPU: gpus_per_node > 0 means cuda, and bf16 is assumed
+    (NO_GPU, ["cluster.address=auto", "cluster.gpus_per_node=8", "cluster.train_world_size=8"],
+     ("cuda", 8, "bfloat16", True, "cuda", "bfloat16")),
+]
+
+
+@pytest.mark.parametrize("hardware,overrides,expected", AUTO_CASES)
+def test_auto_device_precision_and_generator(hardware, overrides, expected):
+    cfg = load_config(None, overrides, hardware=hardware)
+    kwargs = cfg.generation.backend_kwargs
+    got = (cfg.cluster.device, cfg.cluster.gpus_per_node, cfg.policy.precision, cfg.generation.in_policy_workers,
+           kwargs["device"], kwargs["dtype"])
+    assert got == expected
+
+
+def test_generator_on_cpu_while_policy_on_gpu_warns(caplog):
+    with caplog.at_level(logging.WARNING, logger="grpo_app.devices"):
+        cfg = load_config(None, ["generation.backend_kwargs.device=cpu"], hardware=ONE_GPU)
+    assert cfg.generation.backend_kwargs["device"] == "cpu"  # the user's value stands, with a warning
+    assert "generation.backend_kwargs.device=cpu while the policy trains on cuda" in caplog.text
+
+
+def test_vllm_in_policy_ranks_uses_external_launcher():
+    cfg = load_config(None, ["generation.backend=vllm", "cluster.train_world_size=4",
+                             "policy.train_global_batch_size=16"], hardware=EIGHT_GPUS)
+    assert cfg.generation.in_policy_workers
+    assert cfg.generation.backend_kwargs == {"dtype": "bfloat16", "distributed_executor_backend": "external_launcher",
+                                             "data_parallel_size": 4}
+    with pytest.raises(ConfigError, match="tensor_parallel_size=3 must divide cluster.train_world_size=4"):
+        load_config(None, ["generation.backend=vllm", "cluster.train_world_size=4", "policy.train_global_batch_size=16",
+                           "generation.backend_kwargs.tensor_parallel_size=3"], hardware=EIGHT_GPUS)
+
+
+# (hardware, overrides) -> the refit path
+REFIT_CASES = [
+    (NO_GPU, ["generation.in_policy_workers=false"], RefitPath.GLOO),
+    (NO_GPU, ["generation.in_policy_workers=false", "generation.colocated=false"], RefitPath.GLOO),
+    (NO_GPU, ["generation.in_policy_workers=true"], RefitPath.IN_PROCESS),
+    (ONE_GPU, [], RefitPath.IN_PROCESS),  # the default on one GPU
+    (EIGHT_GPUS, ["cluster.train_world_size=4"], RefitPath.IN_PROCESS),
+    (EIGHT_GPUS, ["generation.colocated=false", "generation.num_workers=2"], RefitPath.NCCL),
+    (EIGHT_GPUS, ["generation.colocated=false", "cluster.train_world_size=6", "generation.num_workers=2"],
+     RefitPath.NCCL),
+]
+
+
+@pytest.mark.parametrize("hardware,overrides,expected", REFIT_CASES)
+def test_refit_path_per_placement(hardware, overrides, expected):
+    assert refit_path(load_config(None, overrides, hardware=hardware)) is expected
+
+
+# layouts that cannot work: (hardware, overrides, the error names these keys)
+BAD_LAYOUTS = [
+    # two NCCL ranks on one GPU
+    (ONE_GPU, ["generation.in_policy_workers=false"], "generation.colocated=true with generation.in_policy_workers"),
+    (EIGHT_GPUS, ["generation.in_policy_workers=false", "generation.backend=vllm"], "NCCL refuses"),
+    # more GPUs than the cluster section gives
+    (ONE_GPU, ["generation.colocated=false"], r"needs 2 GPUs \(cluster.train_world_size=1 \+ generation.num_workers"),
+    (EIGHT_GPUS, ["cluster.train_world_size=16"], "cluster.gpus_per_node x num_nodes = 8"),
+    (EIGHT_GPUS, ["generation.colocated=false", "cluster.train_world_size=8"], "needs 9 GPUs"),
+    # contradictions
+    (ONE_GPU, ["cluster.device=cpu", "cluster.gpus_per_node=1"], "cluster.device=cpu but cluster.gpus_per_node=1"),
+    (NO_GPU, ["cluster.device=tpu"], r"cluster.device='tpu'; choose one of"),
+    (NO_GPU, ["cluster.device=cuda", "cluster.address=auto"], "set cluster.gpus_per_node"),
+]
+
+
+@pytest.mark.parametrize("hardware,overrides,message", BAD_LAYOUTS)
+def test_impossible_layouts_fail_at_config_time(hardware, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides, hardware=hardware)
+
+
+# hardware checks of a local run (preflight): (hardware, overrides of a config built for 8 GPUs, message)
+HARDWARE_CASES = [
+    (NO_GPU, [], "no usable CUDA GPU"),
+    (ONE_GPU, [], "cluster.gpus_per_node=8 but this machine has 1 GPU"),
+    (EIGHT_GPUS, ["cluster.num_nodes=2"], "cluster.num_nodes=2 needs a Ray cluster"),
+]
+
+
+@pytest.mark.parametrize("hardware,overrides,message", HARDWARE_CASES)
+def test_local_run_asks_for_no_more_than_the_machine_has(hardware, overrides, message):
+    cfg = load_config(None, ["cluster.gpus_per_node=8", *overrides], hardware=EIGHT_GPUS)
+    with pytest.raises(ConfigError, match=message):
+        check_hardware(cfg.cluster, hardware)
+    check_hardware(load_config(None, ["cluster.gpus_per_node=8"], hardware=EIGHT_GPUS).cluster, EIGHT_GPUS)
+    joined = load_config(None, ["cluster.gpus_per_node=8", "cluster.address=auto", *overrides], hardware=NO_GPU)
+    check_hardware(joined.cluster, NO_GPU)  # a cluster's GPUs are Ray's to count, not the driver's
+
+
+def test_gpu_1x_recipe_resolves_to_one_gpu():
+    cfg = load_config(CONFIG_DIR / "gpu_1x.yaml", hardware=ONE_GPU)
+    assert (cfg.cluster.device, cfg.cluster.gpus_per_node, cfg.cluster.train_world_size) == ("cuda", 1, 1)
+    assert cfg.policy.precision == "bfloat16" and cfg.generation.backend_kwargs["device"] == "cuda"
+    assert refit_path(cfg) is RefitPath.IN_PROCESS
+    check_hardware(cfg.cluster, ONE_GPU)
+    with pytest.raises(ConfigError, match="no usable CUDA GPU"):
+        check_hardware(load_config(CONFIG_DIR / "gpu_1x.yaml", hardware=NO_GPU).cluster, NO_GPU)
+
+
+def test_qwen2_5_0_5b_shape_has_the_published_layer_sizes():
+    """Parameter count of the shape (on the meta device) against the count from the published sizes."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from grpo_app.model_shapes import shape_config
+
+    config = shape_config("qwen2.5-0.5b")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    h, inter, layers, kv = 896, 4864, 24, 2 * 64  # 2 kv heads of head_dim 896 / 14 = 64
+    attention = h * h + h + 2 * (h * kv + kv) + h * h  # q (+bias), k and v (+bias), o
+    per_layer = attention + 3 * h * inter + 2 * h  # gate/up/down, two norms
+    assert sum(p.numel() for p in model.parameters()) == 128 * h + layers * per_layer + h  # tied head
+    with pytest.raises(ValueError, match="known shapes are"):
+        shape_config("qwen9-1t")
