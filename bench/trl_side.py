@@ -1,8 +1,11 @@
 """TRL's side of bench/grpo_vs_trl.py: TRL 1.16 `GRPOTrainer` on the shared workload, run in the TRL venv.
 
 Not a workspace script: grpo_vs_trl.py runs it as `<venv-trl>/bin/python bench/trl_side.py SPEC.json OUT.json`.
-SPEC holds the model dir, the prompts (with their repeat_char targets) and the training settings; OUT gets
-per-step wall times, mean completion lengths and rewards. The reward is rollout.rewards.toy.repeat_char_reward
+SPEC holds the model dir, the prompts (with their repeat_char targets), the device and the training settings;
+OUT gets per-step wall times, mean completion lengths and rewards, and on CUDA the process's
+torch.cuda.max_memory_allocated. On CUDA: bf16 autocast over fp32 weights (as our engines' bf16 keeps fp32
+master weights), per-device batch = the prompt count and `generations` accumulation steps, so one
+optimizer step takes all prompts x generations completions. The reward is rollout.rewards.toy.repeat_char_reward
 with stop_bonus=0, re-implemented here (this venv does not hold the workspace).
 """
 
@@ -58,12 +61,17 @@ def main() -> None:
     torch.set_num_threads(spec["threads"])
     ds = Dataset.from_dict({"prompt": [p["prompt"] for p in spec["prompts"]],
                             "target": [p["target"] for p in spec["prompts"]]})
-    n = spec["generations"]
+    n, cuda = spec["generations"], spec["device"] == "cuda"
+    # CPU: one batch of prompts x n; CUDA: the issue's layout, batch = prompts, n accumulation steps (one
+    # generation round of prompts x n completions either way)
+    batch, accumulation = (len(spec["prompts"]), n) if cuda else (len(spec["prompts"]) * n, 1)
+    # comparable work on CPU: full-length completions (ours has no stop token there)
+    generation_kwargs = {"min_new_tokens": spec["max_new_tokens"]} if spec["full_length"] else {}
     cfg = GRPOConfig(
-        output_dir=spec["output_dir"], use_cpu=True, bf16=False, fp16=False, seed=spec["seed"],
-        per_device_train_batch_size=len(spec["prompts"]) * n, num_generations=n, gradient_accumulation_steps=1,
+        output_dir=spec["output_dir"], use_cpu=not cuda, bf16=cuda, fp16=False, seed=spec["seed"],
+        per_device_train_batch_size=batch, num_generations=n, gradient_accumulation_steps=accumulation,
         max_completion_length=spec["max_new_tokens"], temperature=1.0, top_p=1.0,
-        generation_kwargs={"min_new_tokens": spec["max_new_tokens"]},  # comparable work: full-length completions
+        generation_kwargs=generation_kwargs,
         beta=0.0, loss_type="dapo", epsilon=spec["eps_low"], epsilon_high=spec["eps_high"], num_iterations=1,
         scale_rewards="group", learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0,
         weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.99, max_grad_norm=spec["max_grad_norm"],
@@ -80,6 +88,8 @@ def main() -> None:
            "completion_len": [h.get("completions/mean_length") for h in logs],
            "reward": [h.get("reward") for h in logs],
            "params": sum(p.numel() for p in trainer.model.parameters())}
+    if cuda:
+        out["gpu_peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
     with open(sys.argv[2], "w") as f:
         json.dump(out, f)
     logger.info("TRL steps: %s", [round(s, 2) for s in timer.seconds])

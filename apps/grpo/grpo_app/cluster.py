@@ -16,6 +16,7 @@ import ray
 import torch
 
 from grpo_app.config import GRPOConfig
+from grpo_app.refit import RefitPath, refit_path
 from grpo_app.workers import GenerationWorker, PolicyWorker, RewardWorker
 from rl_core.batch import TokenBatch
 from rl_core.distributed import free_port
@@ -108,7 +109,8 @@ class Workers:
                 cfg.policy, rank, world, master, with_reference=with_reference, num_threads=threads)
             for rank in range(world)
         ]
-        self.in_process = cfg.generation.in_policy_workers
+        path = refit_path(cfg)
+        self.in_process = path is RefitPath.IN_PROCESS
         if self.in_process:  # hybrid: every policy rank generates; refit is a copy inside each process
             ray.get([w.attach_generator.remote(cfg.generation.backend, cfg.policy.model_name,
                                                cfg.generation.backend_kwargs) for w in self.policy])
@@ -127,12 +129,13 @@ class Workers:
         self.dp_size = self.dp_layout[0][1]
         if not self.in_process:
             host, port = placement.rendezvous(0)  # refit group: policy rank 0 sends, generators receive
-            refit_world = 1 + len(self.generators)
-            ray.get([w.join_refit.remote(host, port, refit_world) for w in self.policy]
-                    + [g.join_refit.remote(host, port, i + 1, refit_world) for i, g in enumerate(self.generators)])
-        logger.info("workers up: %d policy ranks (dp=%d), %s, %s", world, self.dp_size,
+            refit_world, device = 1 + len(self.generators), "cuda" if path is RefitPath.NCCL else "cpu"
+            ray.get([w.join_refit.remote(host, port, refit_world, device) for w in self.policy]
+                    + [g.join_refit.remote(host, port, i + 1, refit_world, device)
+                       for i, g in enumerate(self.generators)])
+        logger.info("workers up: %d policy ranks (dp=%d), %s, %s; refit: %s", world, self.dp_size,
                     "generation in the policy ranks" if self.in_process else f"{len(self.generators)} generation",
-                    f"{len(self.rewarders)} reward" if self.rewarders else "rewards in the driver")
+                    f"{len(self.rewarders)} reward" if self.rewarders else "rewards in the driver", path.value)
 
     # ---- policy --------------------------------------------------------------------------------------
     def _shards(self, batch: TokenBatch) -> list[list[int]]:

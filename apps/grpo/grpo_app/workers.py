@@ -35,6 +35,11 @@ class GeneratorHost:
     def attach_generator(self, backend: str, model_path: str, backend_kwargs: dict[str, Any]) -> None:
         from rl_core.registry import create_generation_backend
 
+        if backend_kwargs.get("distributed_executor_backend") == "external_launcher":
+            # vLLM inside a policy rank: its engine core must run in this process (no engine subprocess), on
+            # the rank's torch.distributed world (RANK/WORLD_SIZE/LOCAL_RANK are already set)
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
         self.backend = create_generation_backend(backend, model_path=model_path, **backend_kwargs)
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: Any) -> list[Any]:
@@ -76,7 +81,10 @@ class PolicyWorker(GeneratorHost):
         return engine.compute_logprobs(batch)
 
     def train(self, batch: Any, loss_fn: Any) -> dict[str, float]:
-        return self.engine.train_batch(batch, loss_fn)
+        metrics = self.engine.train_batch(batch, loss_fn)
+        if torch.cuda.is_available():  # this process's peak so far: training, and generation when in-process
+            metrics["gpu_peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        return metrics
 
     def save_checkpoint(self, path: str) -> None:
         self.engine.save_checkpoint(path)
@@ -90,9 +98,9 @@ class PolicyWorker(GeneratorHost):
     def onload(self) -> None:
         self.engine.onload()
 
-    def join_refit(self, host: str, port: int, world_size: int) -> None:
+    def join_refit(self, host: str, port: int, world_size: int, device: str) -> None:
         if self.rank == 0:
-            self.refit = RefitGroup(host, port, 0, world_size, device="cuda" if torch.cuda.is_available() else "cpu")
+            self.refit = RefitGroup(host, port, 0, world_size, device=device)
 
     def refit_in_process(self) -> int:
         """Every rank gathers the full tensors (collective) and loads them into its own generator."""
@@ -126,8 +134,8 @@ class GenerationWorker(GeneratorHost):
         self.attach_generator(backend, model_path, backend_kwargs)
         self.refit: RefitGroup | None = None
 
-    def join_refit(self, host: str, port: int, rank: int, world_size: int) -> None:
-        self.refit = RefitGroup(host, port, rank, world_size, device="cuda" if torch.cuda.is_available() else "cpu")
+    def join_refit(self, host: str, port: int, rank: int, world_size: int, device: str) -> None:
+        self.refit = RefitGroup(host, port, rank, world_size, device=device)
 
     def receive_weights(self) -> None:
         self.backend.update_weights(self.refit.receive())
