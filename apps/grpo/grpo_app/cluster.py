@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import ray
@@ -125,6 +126,8 @@ class Workers:
         self.rewarders = [RewardWorker.options(num_cpus=0).remote(cfg.env.name, cfg.env.kwargs)
                           for _ in range(cfg.env.num_workers)]
         self.local_env = None if self.rewarders else create_environment(cfg.env.name, **cfg.env.kwargs)
+        # one thread: driver-side scoring overlaps generation but never runs twice at once
+        self._scoring = ThreadPoolExecutor(max_workers=1, thread_name_prefix="score")
         self.dp_layout = ray.get([w.layout.remote() for w in self.policy])  # (dp_rank, dp_size) per rank
         self.dp_size = self.dp_layout[0][1]
         if not self.in_process:
@@ -179,30 +182,37 @@ class Workers:
                        + [g.receive_weights.remote() for g in self.generators])
         return int(sent[0])
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+    def generate_parts(self, prompts: list[list[int]], params: SamplingParams) -> Iterator[list[Completion]]:
+        """Each generator's completions as soon as it finishes (finishing order; prompt indices into
+        `prompts`), so the caller can score one share while the others still generate."""
         colocated = self.cfg.generation.colocated
         if colocated:
             ray.get([w.offload.remote() for w in self.policy] + [g.wake.remote() for g in self.generators])
-        parts = _split(prompts, len(self.generators))
-        results = ray.get([g.generate.remote(p, params) for g, p in zip(self.generators, parts) if p])
+        offsets, offset = {}, 0
+        for generator, part in zip(self.generators, _split(prompts, len(self.generators))):
+            if part:
+                offsets[generator.generate.remote(part, params)] = offset
+            offset += len(part)
+        pending = list(offsets)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            completions = ray.get(done[0])
+            for c in completions:
+                c.prompt_index += offsets[done[0]]
+            yield completions
         if colocated:
             ray.get([g.sleep.remote() for g in self.generators] + [w.onload.remote() for w in self.policy])
-        out, offset = [], 0
-        for part, completions in zip((p for p in parts if p), results):
-            for c in completions:
-                c.prompt_index += offset
-                out.append(c)
-            offset += len(part)
-        return out
 
-    def score(self, requests: list[RewardRequest]) -> list[RewardResult]:
+    def submit_score(self, requests: list[RewardRequest]) -> Callable[[], list[RewardResult]]:
+        """Start scoring now (reward actors, or the driver's environment on a thread); call the result to wait."""
         if self.local_env is not None:
-            return self.local_env.score(requests)
-        parts = _split(requests, len(self.rewarders))
-        return [r for part in ray.get([w.score.remote(p) for w, p in zip(self.rewarders, parts) if p]) for r in part]
+            return self._scoring.submit(self.local_env.score, requests).result
+        refs = [w.score.remote(p) for w, p in zip(self.rewarders, _split(requests, len(self.rewarders))) if p]
+        return lambda: [r for part in ray.get(refs) for r in part]
 
     def shutdown(self) -> None:
         for actor in (*self.policy, *([] if self.in_process else self.generators), *self.rewarders):
             ray.kill(actor)
+        self._scoring.shutdown(wait=True)
         if hasattr(self.local_env, "close"):  # stop its scoring subprocesses (Environment has no close())
             self.local_env.close()

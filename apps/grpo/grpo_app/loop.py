@@ -64,14 +64,25 @@ def sampling_params(cfg: GRPOConfig, step: int, *, n: int, greedy: bool = False)
 
 
 def rollout(run: Run, prompts: list[PromptExample], params: SamplingParams, timer: PhaseTimer):
-    """Generate `params.n` completions per prompt and score them; returns completions, rewards, results."""
+    """Generate `params.n` completions per prompt and score them; returns completions, rewards, results.
+
+    Each generator's share is decoded and sent to scoring as soon as it finishes, while the other
+    generators still run; the results are put back in prompt order, so nothing depends on which finished
+    first. `timing/reward_s` is the scoring left to wait for after the last generator finished.
+    """
+    def requests(completions: list[Completion]) -> list[RewardRequest]:
+        return [RewardRequest(prompt=prompts[c.prompt_index].prompt, metadata=prompts[c.prompt_index].metadata,
+                              completion=run.tokenizer.decode(c.token_ids, skip_special_tokens=True))
+                for c in completions]
+
+    scoring = []
     with timer("generate"):
-        completions = run.workers.generate([p.prompt_token_ids for p in prompts], params)
+        for part in run.workers.generate_parts([p.prompt_token_ids for p in prompts], params):
+            scoring.append((part, run.workers.submit_score(requests(part))))
     with timer("reward"):
-        requests = [RewardRequest(prompt=prompts[c.prompt_index].prompt, metadata=prompts[c.prompt_index].metadata,
-                                  completion=run.tokenizer.decode(c.token_ids, skip_special_tokens=True))
-                    for c in completions]
-        results = run.workers.score(requests)
+        scoring.sort(key=lambda item: item[0][0].prompt_index)
+        completions = [c for part, _ in scoring for c in part]
+        results = [r for _, wait in scoring for r in wait()]
     rewards = torch.tensor([r.reward for r in results], dtype=torch.float32)
     return completions, rewards, results
 

@@ -19,7 +19,7 @@ import datetime
 import enum
 import logging
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -71,6 +71,21 @@ def refit_path(cfg: GRPOConfig) -> RefitPath:
             "true (the generator lives in the policy process) or generation.colocated=false (generators on GPUs "
             "of their own)")
     return RefitPath.NCCL
+
+
+def refit_in_process(named_tensors: Iterable[tuple[str, Tensor]], backend: Any) -> int:
+    """Hand the tensors to a generator in this process as they stream out of `export_hf_weights`, one at a
+    time (never a full state-dict copy); returns the bytes handed over."""
+    sent = 0
+
+    def counted() -> Iterator[tuple[str, Tensor]]:
+        nonlocal sent
+        for name, tensor in named_tensors:
+            sent += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+    backend.update_weights(counted())
+    return sent
 
 
 class RefitGroup:

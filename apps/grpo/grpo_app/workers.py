@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import ray
 import torch
 
-from grpo_app.refit import RefitGroup
+from grpo_app.refit import RefitGroup, refit_in_process
 
 logger = logging.getLogger(__name__)
 
@@ -103,17 +103,8 @@ class PolicyWorker(GeneratorHost):
             self.refit = RefitGroup(host, port, 0, world_size, device=device)
 
     def refit_in_process(self) -> int:
-        """Every rank gathers the full tensors (collective) and loads them into its own generator."""
-        sent = 0
-
-        def counted() -> Iterator[tuple[str, torch.Tensor]]:
-            nonlocal sent
-            for name, tensor in self.engine.export_hf_weights():
-                sent += tensor.numel() * tensor.element_size()
-                yield name, tensor
-
-        self.backend.update_weights(counted())
-        return sent
+        """Every rank gathers the full tensors (collective) and streams them into its own generator."""
+        return refit_in_process(self.engine.export_hf_weights(), self.backend)
 
     def send_weights(self) -> int:
         """Every rank takes part in gathering full tensors; rank 0 broadcasts them to the generators."""

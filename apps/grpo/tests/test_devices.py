@@ -69,6 +69,8 @@ REFIT_CASES = [
     (NO_GPU, ["generation.in_policy_workers=true"], RefitPath.IN_PROCESS),
     (ONE_GPU, [], RefitPath.IN_PROCESS),  # the default on one GPU
     (EIGHT_GPUS, ["cluster.train_world_size=4"], RefitPath.IN_PROCESS),
+    # in the policy process without offload/sleep (gpu_1x.yaml): no GPU of its own needed
+    (ONE_GPU, ["generation.in_policy_workers=true", "generation.colocated=false"], RefitPath.IN_PROCESS),
     (EIGHT_GPUS, ["generation.colocated=false", "generation.num_workers=2"], RefitPath.NCCL),
     (EIGHT_GPUS, ["generation.colocated=false", "cluster.train_world_size=6", "generation.num_workers=2"],
      RefitPath.NCCL),
@@ -124,7 +126,7 @@ def test_gpu_1x_recipe_resolves_to_one_gpu():
     cfg = load_config(CONFIG_DIR / "gpu_1x.yaml", hardware=ONE_GPU)
     assert (cfg.cluster.device, cfg.cluster.gpus_per_node, cfg.cluster.train_world_size) == ("cuda", 1, 1)
     assert cfg.policy.precision == "bfloat16" and cfg.generation.backend_kwargs["device"] == "cuda"
-    assert refit_path(cfg) is RefitPath.IN_PROCESS
+    assert refit_path(cfg) is RefitPath.IN_PROCESS and not cfg.generation.colocated  # resident, no offload
     check_hardware(cfg.cluster, ONE_GPU)
     with pytest.raises(ConfigError, match="no usable CUDA GPU"):
         check_hardware(load_config(CONFIG_DIR / "gpu_1x.yaml", hardware=NO_GPU).cluster, NO_GPU)

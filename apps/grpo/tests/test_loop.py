@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from grpo_app.config import load_config
-from grpo_app.loop import PhaseTimer, Run, build_batch, grpo_step, sample_groups
+from grpo_app.loop import PhaseTimer, Run, build_batch, grpo_step, rollout, sample_groups, sampling_params
 from grpo_app.prompts import PromptSource
-from rl_core.interfaces import Completion, RewardResult
+from rl_core.interfaces import Completion, RewardRequest, RewardResult
 from rollout.datasets import PromptExample
 
 
@@ -22,8 +22,20 @@ class StubWorkers:
     def score(self, requests):
         return [RewardResult(reward=float(r.metadata["odd"]) * (k % 2)) for k, r in enumerate(requests)]
 
+    def generate_parts(self, prompts, params):
+        """Like two generators whose second share finishes first: parts come out of prompt order."""
+        completions = self.generate(prompts, params)
+        cut = len(prompts) // 2 * params.n  # an even cut: the stub's scores depend on the position mod 2
+        for part in (p for p in (completions[cut:], completions[:cut]) if p):  # as Workers: no empty parts
+            self.events.append("part ready")
+            yield part
+
+    def submit_score(self, requests):
+        self.events.append("scoring")
+        return lambda: self.score(requests)
+
     def __init__(self):
-        self.logprob_calls, self.trained = [], []
+        self.logprob_calls, self.trained, self.events = [], [], []
 
     def compute_logprobs(self, batch, reference=False):
         self.logprob_calls.append(reference)
@@ -83,3 +95,20 @@ def test_prev_logprob_pass_runs_only_with_several_optimizer_steps_per_batch():
     grpo_step(off_policy, 0)
     assert off_policy.workers.logprob_calls == [False, True]  # prev, then the reference
     assert off_policy.workers.trained[0].prev_logprobs is not None
+
+
+def test_scoring_overlaps_generation_and_changes_no_result():
+    """Scoring starts after the first share finishes (before the second); the result equals the sequential
+    path computed here from the stub directly (generate everything, then score everything)."""
+    run = make_run()
+    prompts = run.train_prompts.next_batch(3)
+    params = sampling_params(run.cfg, 0, n=2)
+    completions, rewards, results = rollout(run, prompts, params, PhaseTimer())
+    assert run.workers.events == ["part ready", "scoring", "part ready", "scoring"]
+    stub = StubWorkers()
+    expected = stub.generate([p.prompt_token_ids for p in prompts], params)
+    expected_results = stub.score([RewardRequest(prompt=prompts[c.prompt_index].prompt,
+                                                 metadata=prompts[c.prompt_index].metadata,
+                                                 completion="x" * len(c.token_ids)) for c in expected])
+    assert [(c.prompt_index, c.token_ids) for c in completions] == [(c.prompt_index, c.token_ids) for c in expected]
+    assert rewards.tolist() == [r.reward for r in expected_results] and results == expected_results

@@ -35,3 +35,29 @@ def test_refit_broadcasts_every_tensor_bit_exactly():
         assert [n for n, _ in received] == [n for n, _ in sent]
         for (_, a), (_, b) in zip(received, sent):
             assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_in_process_refit_streams_one_tensor_at_a_time(tmp_path):
+    """The generator loads each tensor before the next one is produced (no full state-dict copy in
+    between), and ends with exactly the exported weights."""
+    from grpo_app.refit import refit_in_process
+    from rl_core.testing.tiny_models import save_tiny_checkpoint
+    from rollout.torch_backend import TorchGenerationBackend
+
+    backend = TorchGenerationBackend(str(save_tiny_checkpoint(tmp_path / "ckpt", "qwen2", seed=0)))
+    params = dict(backend.model.named_parameters())
+    new = {name: torch.randn_like(p) for name, p in params.items()}
+    loaded_before_next = []
+
+    def export():
+        previous = None
+        for name, tensor in new.items():
+            if previous is not None:  # the consumer has copied the previous tensor before asking for this one
+                loaded_before_next.append(torch.equal(params[previous], new[previous]))
+            previous = name
+            yield name, tensor
+
+    sent = refit_in_process(export(), backend)
+    assert loaded_before_next and all(loaded_before_next)
+    assert all(torch.equal(params[name], tensor) for name, tensor in new.items())
+    assert sent == sum(t.numel() * t.element_size() for t in new.values())
