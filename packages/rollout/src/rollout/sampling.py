@@ -6,7 +6,10 @@ sampling distribution, because that is what a trainer recomputes from the same w
 (T = 0) reports the logprobs at T = 1.
 
 Draws use the exponential-race form of sampling (argmax of p / E with E ~ Exp(1)), which picks token i
-with probability p_i and needs one random tensor per step from a seeded `torch.Generator`.
+with probability p_i. E comes either from a seeded `torch.Generator` (one random tensor per step for the
+whole batch: the dense decode path) or from a counter-based hash of (row key, step, token id)
+(`counter_exponential`: the paged path), so that a row's draws do not depend on which other rows share
+its batch: continuous batching then changes nothing but speed, and the draw is graph-capturable.
 """
 
 from __future__ import annotations
@@ -51,10 +54,43 @@ def filter_logits(logits_BV: Tensor, top_k: int, top_p: float) -> Tensor:
     return logits_BV.masked_fill(drop_V, float("-inf"))
 
 
+_MASK32 = 0xFFFFFFFF
+
+
+def _fmix32(h: Tensor) -> Tensor:
+    """murmur3's 32-bit finaliser (a bijection with full avalanche) on int64 tensors holding 32-bit values.
+
+    Products stay below 2**63 (32-bit value x 32-bit constant), so int64 arithmetic never overflows.
+    """
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _MASK32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _MASK32
+    return h ^ (h >> 16)
+
+
+def row_keys(seed: int, rows: Tensor) -> Tensor:
+    """32-bit sampling keys (int64) of global row ids `rows` for a request seed."""
+    return _fmix32((_fmix32(torch.full_like(rows, int(seed) & _MASK32)) + rows * 0x9E3779B1) & _MASK32)
+
+
+def counter_exponential(keys_B: Tensor, steps_B: Tensor, vocab: int) -> Tensor:
+    """Exp(1) noise (B, V) float32 that is a pure function of (key, step, token id) per row."""
+    row_step = _fmix32((keys_B + steps_B * 0x632BE5AB) & _MASK32)  # (B,)
+    token = torch.arange(vocab, device=keys_B.device, dtype=torch.int64) * 0x85157AF5
+    bits = _fmix32((row_step[:, None] ^ token[None, :]) & _MASK32) >> 8  # (B, V): 24 uniform bits
+    uniform = (bits.float() + 0.5) * (1.0 / (1 << 24))  # in (0, 1): log never sees 0
+    return -torch.log(uniform)
+
+
 def sample_next(
-    logits_BV: Tensor, params: SamplingParams, generator: torch.Generator | None
+    logits_BV: Tensor, params: SamplingParams, generator: torch.Generator | None = None, *,
+    keys_B: Tensor | None = None, steps_B: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Next token ids (B,) and their float32 logprobs (B,) from last-position logits (B, V)."""
+    """Next token ids (B,) and their float32 logprobs (B,) from last-position logits (B, V).
+
+    The noise comes from `generator`, or from `counter_exponential(keys_B, steps_B)` when keys are given.
+    """
     logits = logits_BV.float()
     if params.temperature == 0.0:
         tokens = logits.argmax(dim=-1)
@@ -64,7 +100,10 @@ def sample_next(
     logp = torch.log_softmax(scaled, dim=-1)
     filtered = filter_logits(scaled, params.top_k, params.top_p)
     probs = torch.softmax(filtered, dim=-1)
-    race = torch.empty_like(probs).exponential_(generator=generator)
+    if keys_B is not None:
+        race = counter_exponential(keys_B, steps_B, probs.shape[-1])
+    else:
+        race = torch.empty_like(probs).exponential_(generator=generator)
     tokens = (probs / race).argmax(dim=-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 

@@ -1,10 +1,18 @@
 """`TorchGenerationBackend`: a batched sampler with a KV cache over a Hugging Face causal LM.
 
-The default generation backend where vLLM is not installed (CPU machines, tests). Owns: batching every
-prompt x n sample into one left-padded batch, the decode loop, stop handling, batch compaction and
-weight refit. Does not own sampling math (rollout.sampling) or the logprob convention (rl_core.logprobs).
+The default generation backend where vLLM is not installed (CPU machines, GPUs without vLLM, tests).
+Two decode paths behind one interface (`decode=`):
 
-How it stays fast without per-sequence Python loops:
+- "paged" (the default on CUDA): a preallocated paged KV cache with prefix sharing (rollout.paged_cache),
+  continuous batching (rollout.scheduler) and static-shape decode steps captured in CUDA graphs per
+  batch-size bucket (rollout.paged_decoder). Samples are keyed on (seed, row, step).
+- "dense" (the default elsewhere; described below): the whole chunk as one left-padded batch through
+  the HF forward, a single seeded generator for the chunk.
+
+Owns: the decode loops, stop handling, batch compaction and weight refit. Does not own sampling math
+(rollout.sampling) or the logprob convention (rl_core.logprobs).
+
+How the dense path stays fast without per-sequence Python loops:
 - each prompt is prefilled once and its KV cache is repeated n times (samples share the prefix);
 - one decode step is one forward pass over all active rows (per-row positions + attention mask), with a
   KV cache written in place (rollout.kv_cache) and sdpa without K/V head copies (rollout.attention);
@@ -15,6 +23,7 @@ How it stays fast without per-sequence Python loops:
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -23,7 +32,9 @@ from torch import Tensor
 
 from rl_core.interfaces import Completion, SamplingParams
 from rollout.kv_cache import make_cache
+from rollout.paged_decoder import DEFAULT_BUCKETS, PagedDecoder
 from rollout.sampling import make_generator, sample_next, validate_params
+from rollout.scheduler import ContinuousBatcher, table_width
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +61,13 @@ class TorchGenerationBackend:
         compact_fraction: drop finished rows once this share of the active rows has finished.
         eos_token_ids: stop tokens added to every request; default: the checkpoint's eos ids.
         attn_implementation: "rollout_sdpa" (sdpa without K/V head copies, rollout.attention) or any
-            transformers implementation ("sdpa", "eager").
+            transformers implementation ("sdpa", "eager"); the dense path only.
+        decode: "auto" (paged on CUDA, dense elsewhere), "paged" or "dense".
+        block_size: positions per KV cache block (paged).
+        kv_cache_tokens: size of the paged KV cache in positions; default: enough for max_num_seqs rows of
+            the longest request of each call (grown when a later call needs more).
+        batch_buckets: decode batch sizes the paged step is padded to (one CUDA graph per bucket and width).
+        cuda_graphs: capture paged decode steps in CUDA graphs (CUDA only).
     """
 
     def __init__(
@@ -64,6 +81,11 @@ class TorchGenerationBackend:
         compact_fraction: float = 0.25,
         eos_token_ids: Sequence[int] | None = None,
         attn_implementation: str = "rollout_sdpa",
+        decode: str = "auto",
+        block_size: int = 16,
+        kv_cache_tokens: int | None = None,
+        batch_buckets: Sequence[int] = DEFAULT_BUCKETS,
+        cuda_graphs: bool = True,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -74,6 +96,8 @@ class TorchGenerationBackend:
             raise ValueError(f"TorchGenerationBackend dtype={dtype!r}; choose one of {sorted(DTYPES)}")
         if max_num_seqs < 1:
             raise ValueError(f"TorchGenerationBackend max_num_seqs={max_num_seqs}; expected >= 1")
+        if decode not in ("auto", "paged", "dense"):
+            raise ValueError(f"TorchGenerationBackend decode={decode!r}; choose 'auto', 'paged' or 'dense'")
         if not 0.0 < compact_fraction <= 1.0:
             raise ValueError(f"TorchGenerationBackend compact_fraction={compact_fraction}; expected in (0, 1]")
         self.model_path = str(model_path)
@@ -97,7 +121,16 @@ class TorchGenerationBackend:
         self.pad_token_id = int(pad) if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self._sleep_level = 0
-        logger.info("torch generation backend: %s on %s (%s)", self.model_path, self.device, dtype)
+        if decode == "auto":
+            decode = "paged" if self.device.type == "cuda" else "dense"
+        self.decode = decode
+        self._paged_options = dict(block_size=block_size, buckets=batch_buckets, cuda_graphs=cuda_graphs)
+        self.kv_cache_tokens = kv_cache_tokens
+        self.decoder = PagedDecoder(self.model, **self._paged_options) if decode == "paged" else None
+        self.last_events: list[tuple[str, int, int]] = []  # paged: ("admit" | "finish", row, step)
+        self.last_batch_sizes: list[int] = []  # paged: rows of each decode step
+        logger.info("torch generation backend: %s on %s (%s, %s decode)", self.model_path, self.device, dtype,
+                    decode)
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
@@ -106,6 +139,8 @@ class TorchGenerationBackend:
             raise RuntimeError("TorchGenerationBackend.generate called while asleep; call wake() first")
         validate_params(params)
         prompts = [self._check_prompt(i, p) for i, p in enumerate(prompt_token_ids)]
+        if self.decoder is not None:
+            return self._generate_paged(prompts, params)
         stop_ids = torch.tensor(sorted(set(self.eos_token_ids) | {int(t) for t in params.stop_token_ids}),
                                 dtype=torch.long, device=self.device)
         generator = make_generator(params.seed, self.device)
@@ -120,6 +155,23 @@ class TorchGenerationBackend:
                     logprobs=logprobs_l[row][:length],
                     finish_reason="stop" if was_stopped else "length",
                 ))
+        return completions
+
+    def _generate_paged(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """Continuous batching over the paged cache (rollout.scheduler)."""
+        decoder, bs = self.decoder, self.decoder.block_size
+        rows = min(len(prompts) * params.n, self.max_num_seqs)
+        longest = max(len(p) for p in prompts)
+        if self.kv_cache_tokens is not None:
+            num_blocks = -(-self.kv_cache_tokens // bs) + 1
+        else:  # every row at full length + the one prompt whose samples are being admitted (+ null block)
+            num_blocks = rows * -(-(longest + params.max_new_tokens - 1) // bs) + -(-longest // bs) + 1
+        decoder.reserve(num_blocks=num_blocks, max_rows=rows, table_width=table_width(decoder, prompts, params))
+        seed = params.seed if params.seed is not None else random.SystemRandom().getrandbits(32)
+        stop_ids = set(self.eos_token_ids) | {int(t) for t in params.stop_token_ids}
+        batcher = ContinuousBatcher(decoder, prompts, params, stop_ids, max_num_seqs=self.max_num_seqs, seed=seed)
+        completions = batcher.run()
+        self.last_events, self.last_batch_sizes = batcher.events, batcher.batch_sizes
         return completions
 
     def _check_prompt(self, index: int, prompt: Sequence[int]) -> list[int]:
@@ -232,11 +284,14 @@ class TorchGenerationBackend:
     def sleep(self, level: int = 1) -> None:
         """Release memory: level 1 moves weights to host memory (no-op on CPU); level 2 discards them.
 
-        The KV cache lives only inside `generate`, so there is none to drop between calls. After level 2,
-        `wake()` reloads the checkpoint from `model_path`; refit (update_weights) to get the policy back.
+        The paged KV cache and the captured CUDA graphs are freed (the dense path's cache lives only inside
+        `generate`). After level 2, `wake()` reloads the checkpoint from `model_path`; refit
+        (update_weights) to get the policy back.
         """
         if level not in (1, 2):
             raise ValueError(f"sleep(level={level}); expected 1 (offload weights) or 2 (discard weights)")
+        if self.decoder is not None:
+            self.decoder.release()
         if level == 2:
             self.model.to("meta")
         elif self.device.type != "cpu":
@@ -255,4 +310,6 @@ class TorchGenerationBackend:
             )
             self.model.eval().requires_grad_(False)
         self.model.to(self.device)
+        if self.decoder is not None and self.decoder.model is not self.model:
+            self.decoder = PagedDecoder(self.model, **self._paged_options)
         self._sleep_level = 0

@@ -1,0 +1,209 @@
+"""The forward pass of a Hugging Face decoder over rollout's paged KV cache, with static-shape decode steps.
+
+`PagedDecoder` walks the HF model's own modules (embeddings, norms, projections, MLP, rotary embedding),
+so it shares the model's weight storage: `update_weights` copies into the same tensors and nothing else
+needs to change, captured CUDA graphs included. Supported: Llama-style decoders with full attention on
+every layer (llama, qwen2, qwen3 with q/k norms, mistral without a sliding window).
+
+- prefill: one prompt, its K/V written to its blocks, causal sdpa over the prompt itself;
+- decode: one token for each of `b` rows, padded to a batch-size bucket (the smallest bucket >= b) so the
+  step has static shapes. Inputs are static buffers (tokens, positions, block tables); attention gathers
+  each row's blocks into (bucket, kv_heads, width * block_size, head_dim) and runs sdpa with a length mask.
+  On CUDA each (bucket, width) step is captured once in a CUDA graph and replayed; elsewhere it runs
+  eagerly (same shapes, same code).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rollout.paged_cache import NULL_BLOCK, PagedKVCache
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512)
+
+
+def check_supported(model: Any) -> None:
+    """Raise ValueError unless `model` is a decoder PagedDecoder can run (names the fallback)."""
+    config = model.config
+    inner = getattr(model, "model", None)
+    needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    sliding = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    if inner is None or any(not hasattr(inner, n) for n in needed) or layer_types != {"full_attention"} \
+            or sliding is not None or not hasattr(sys.modules[type(model).__module__], "apply_rotary_pos_emb"):
+        raise ValueError(
+            f"the paged decode path supports Llama-style decoders with full attention on every layer; "
+            f"{type(model).__name__} (layer types {sorted(layer_types)}, sliding_window={sliding}) is not one. "
+            f"Build TorchGenerationBackend with decode='dense'"
+        )
+
+
+class PagedDecoder:
+    """Prefill and static-shape decode steps of `model` over a `PagedKVCache`."""
+
+    def __init__(self, model: Any, *, block_size: int = 16, buckets: Sequence[int] = DEFAULT_BUCKETS,
+                 cuda_graphs: bool = True) -> None:
+        check_supported(model)
+        if not buckets or min(buckets) < 1:
+            raise ValueError(f"batch_buckets={list(buckets)}; expected positive batch sizes")
+        self.model, self.inner = model, model.model
+        self.block_size = block_size
+        self.buckets = sorted(set(int(b) for b in buckets))
+        self.cuda_graphs = cuda_graphs
+        self._rope = sys.modules[type(model).__module__].apply_rotary_pos_emb
+        attn = self.inner.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.kv_heads = model.config.num_key_value_heads
+        self.cache: PagedKVCache | None = None
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self._pool: Any = None
+        self.graph_captures = 0  # how many graphs were captured (tests: refit must not add any)
+
+    @property
+    def device(self) -> torch.device:
+        return self.inner.embed_tokens.weight.device
+
+    # ------------------------------------------------------------------ memory
+    def reserve(self, *, num_blocks: int, max_rows: int, table_width: int) -> None:
+        """Make sure the cache holds `num_blocks` blocks and the step buffers fit max_rows x table_width.
+
+        Reallocating (only when a call needs more) drops captured graphs: they hold the old addresses.
+        """
+        cache, dev = self.cache, self.device
+        rows = self.bucket_for(max_rows)
+        if cache is not None and cache.num_blocks >= num_blocks and self.tables.shape[0] >= rows \
+                and self.tables.shape[1] >= table_width and cache.k.device == dev:
+            return
+        if cache is not None:
+            num_blocks = max(num_blocks, cache.num_blocks)
+            rows, table_width = max(rows, self.tables.shape[0]), max(table_width, self.tables.shape[1])
+        self.release()
+        weight = self.inner.embed_tokens.weight
+        self.cache = PagedKVCache(num_layers=len(self.inner.layers), num_blocks=num_blocks,
+                                  block_size=self.block_size, kv_heads=self.kv_heads, head_dim=self.head_dim,
+                                  dtype=weight.dtype, device=dev)
+        self.tokens = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.tables = torch.full((rows, table_width), NULL_BLOCK, dtype=torch.int64, device=dev)
+        logger.info("paged KV cache: %d blocks x %d positions (%.1f MiB), step buffers %d rows x %d blocks",
+                    num_blocks, self.block_size, 2 * self.cache.k.numel() * self.cache.k.element_size() / 2**20,
+                    rows, table_width)
+
+    def release(self) -> None:
+        """Free the KV cache, the step buffers and the captured graphs (sleep)."""
+        self.cache, self._graphs, self._pool = None, {}, None
+        self.tokens = self.positions = self.tables = None  # type: ignore[assignment]
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def bucket_for(self, rows: int) -> int:
+        """The smallest bucket >= rows (rows itself beyond the largest bucket)."""
+        return next((b for b in self.buckets if b >= rows), rows)
+
+    # ------------------------------------------------------------------ forward pieces
+    def _attention_inputs(self, layer: Any, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q (T, H, D), k / v (T, H_kv, D) of tokens x (T, hidden), rotary embedding applied."""
+        attn = layer.self_attn
+        t = x.shape[0]
+        q = attn.q_proj(x).view(t, -1, self.head_dim)
+        k = attn.k_proj(x).view(t, -1, self.head_dim)
+        v = attn.v_proj(x).view(t, -1, self.head_dim)
+        if hasattr(attn, "q_norm"):  # qwen3
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = self._rope(q, k, cos, sin, unsqueeze_dim=1)
+        return q, k, v
+
+    def _layers(self, ids: Tensor, positions: Tensor, slots: Tensor, attend: Any) -> Tensor:
+        """Hidden states (T, hidden) after every layer; `attend(layer_idx, q, k, v) -> (T, H * D)`."""
+        x = self.inner.embed_tokens(ids)
+        cos, sin = self.inner.rotary_emb(x, positions[None])
+        cos, sin = cos[0], sin[0]  # (T, D)
+        for i, layer in enumerate(self.inner.layers):
+            q, k, v = self._attention_inputs(layer, layer.input_layernorm(x), cos, sin)
+            self.cache.write(i, slots, k, v)
+            x = x + layer.self_attn.o_proj(attend(i, layer.self_attn, q, k, v))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return x
+
+    def _logits(self, hidden: Tensor) -> Tensor:
+        return self.model.lm_head(self.inner.norm(hidden))
+
+    @torch.inference_mode()
+    def prefill(self, prompt: list[int], table: list[int]) -> Tensor:
+        """Write the K/V of `prompt` into the blocks `table`; returns the last position's logits (V,)."""
+        dev = self.device
+        ids = torch.tensor(prompt, dtype=torch.int64, device=dev)
+        positions = torch.arange(len(prompt), device=dev)
+        slots = self.cache.slots(table, 0, len(prompt)).to(dev)
+
+        def causal_self_attention(i: int, attn: Any, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True,
+                scale=attn.scaling, enable_gqa=q.shape[1] != k.shape[1])  # (1, H, T, D)
+            return out[0].transpose(0, 1).reshape(q.shape[0], -1)
+
+        hidden = self._layers(ids, positions, slots, causal_self_attention)
+        return self._logits(hidden[-1:])[0]
+
+    def _decode_step(self, bucket: int, width: int) -> Tensor:
+        """One static-shape decode step over the first `bucket` rows of the step buffers -> logits."""
+        tokens, positions = self.tokens[:bucket], self.positions[:bucket]
+        tables = self.tables[:bucket, :width]
+        bs = self.block_size
+        slots = tables.gather(1, (positions // bs)[:, None])[:, 0] * bs + positions % bs
+        # (bucket, 1, 1, width * bs): row r sees positions 0..positions[r] (its own new token included).
+        visible = (torch.arange(width * bs, device=tokens.device)[None, :] <= positions[:, None])[:, None, None]
+
+        def paged_attention(i: int, attn: Any, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            keys, values = self.cache.gather(i, tables)  # (bucket, H_kv, width * bs, D)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q[:, :, None], keys, values, attn_mask=visible, scale=attn.scaling,
+                enable_gqa=q.shape[1] != keys.shape[1])  # (bucket, H, 1, D)
+            return out.reshape(bucket, -1)
+
+        return self._logits(self._layers(tokens, positions, slots, paged_attention))
+
+    @torch.inference_mode()
+    def decode(self, tokens: Tensor, positions: Tensor, tables: Tensor) -> Tensor:
+        """Logits (b, V) of the next token of b rows: last tokens (b,), their positions (b,), tables (b, M)."""
+        rows, width = tables.shape
+        bucket = self.bucket_for(rows)
+        self.tokens[:rows].copy_(tokens, non_blocking=True)
+        self.positions[:rows].copy_(positions, non_blocking=True)
+        self.tables[:rows, :width].copy_(tables, non_blocking=True)
+        # Padding rows: token 0 at position 0 of the null block, which no real row reads.
+        self.tokens[rows:bucket] = 0
+        self.positions[rows:bucket] = 0
+        self.tables[rows:bucket] = NULL_BLOCK
+        if self.device.type != "cuda" or not self.cuda_graphs:
+            return self._decode_step(bucket, width)[:rows]
+        return self._replay(bucket, width)[:rows]
+
+    def _replay(self, bucket: int, width: int) -> Tensor:
+        """Run the captured graph of (bucket, width), capturing it on first use."""
+        key = (bucket, width)
+        if key not in self._graphs:
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up outside the graph (lazy inits, cuBLAS handles)
+                self._decode_step(bucket, width)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                logits = self._decode_step(bucket, width)
+            self._graphs[key] = (graph, logits)
+            self.graph_captures += 1
+            logger.info("captured the decode step of %d rows x %d blocks in a CUDA graph", bucket, width)
+        graph, logits = self._graphs[key]
+        graph.replay()
+        return logits

@@ -1,0 +1,168 @@
+"""Continuous batching over the paged decoder: keep up to `max_num_seqs` rows decoding, refill from a queue.
+
+Requests are the rows of a generate call, prompt-major (prompt 0 sample 0, prompt 0 sample 1, ...), and
+are admitted in that order (FIFO) whenever a row is free and the cache has blocks for the newcomer's whole
+length (prompt + max_new_tokens), so an admitted row never waits for memory. A prompt is prefilled when
+its first sample is admitted; its samples share its full blocks and copy its partial last block
+(rollout.paged_cache). Finished rows leave the batch at once; the batch stays dense (rows in admission
+order) and is padded to a bucket by the decoder.
+
+Randomness is keyed on (seed, global row id, step) (rollout.sampling.counter_exponential), so a row's
+completion does not depend on which rows share its batch: any `max_num_seqs` gives the same completions.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from rl_core.interfaces import Completion, SamplingParams
+from rollout.paged_cache import NULL_BLOCK
+from rollout.paged_decoder import PagedDecoder
+from rollout.sampling import row_keys, sample_next
+
+logger = logging.getLogger(__name__)
+
+
+def table_width(decoder: PagedDecoder, prompts: list[list[int]], params: SamplingParams) -> int:
+    """Block-table width of a call: blocks of its longest row, rounded up to a power of two so that
+    calls of similar lengths reuse the same captured decode graphs."""
+    longest = max(len(p) for p in prompts) + params.max_new_tokens - 1
+    return 1 << (-(-longest // decoder.block_size) - 1).bit_length()
+
+
+@dataclass
+class _Prefix:
+    """A prefilled prompt: its blocks (held until its last sample is admitted) and last-position logits."""
+
+    blocks: list[int]
+    logits: Tensor
+    samples_left: int
+
+
+@dataclass
+class _Row:
+    """One decoding sequence (a prompt x sample)."""
+
+    request: int  # global row id: prompt_index * n + sample
+    prompt_len: int
+    table: list[int]
+    table_row: Tensor  # the table padded with the null block to the step's width (CPU int64)
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
+class ContinuousBatcher:
+    """Runs one generate call: admission, prefill, decode steps, stop handling, block bookkeeping.
+
+    `events` records ("admit", request, step) and ("finish", request, step) in order, `batch_sizes` the
+    rows of every decode step (for tests and benchmarks).
+    """
+
+    def __init__(self, decoder: PagedDecoder, prompts: list[list[int]], params: SamplingParams,
+                 stop_ids: set[int], *, max_num_seqs: int, seed: int) -> None:
+        self.decoder, self.prompts, self.params = decoder, prompts, params
+        self.stop_ids, self.max_num_seqs = stop_ids, max_num_seqs
+        self.cache = decoder.cache
+        num_requests = len(prompts) * params.n
+        self.keys = row_keys(seed, torch.arange(num_requests)).to(decoder.device)
+        self.waiting: deque[int] = deque(range(num_requests))
+        self.prefixes: dict[int, _Prefix] = {}
+        self.running: list[_Row] = []
+        self.results: list[Completion | None] = [None] * num_requests
+        self.width = table_width(decoder, prompts, params)
+        self.step = 0
+        self.events: list[tuple[str, int, int]] = []
+        self.batch_sizes: list[int] = []
+
+    # ------------------------------------------------------------------ admission
+    def _blocks_to_admit(self, request: int) -> int:
+        """Fresh blocks the next request takes: its private blocks, plus its prompt's if not prefilled."""
+        prompt_len = len(self.prompts[request // self.params.n])
+        total = self.cache.blocks_for(prompt_len + self.params.max_new_tokens - 1)
+        own = total - prompt_len // self.cache.block_size  # full prompt blocks are shared
+        prefix = 0 if request // self.params.n in self.prefixes else self.cache.blocks_for(prompt_len)
+        return own + prefix
+
+    def _admit(self, request: int) -> tuple[_Row, Tensor]:
+        """Allocate the request's blocks (prefilling its prompt first if needed); returns the row and the
+        logits its first token is sampled from."""
+        p, alloc, bs = request // self.params.n, self.cache.allocator, self.cache.block_size
+        prompt = self.prompts[p]
+        if p not in self.prefixes:
+            blocks = alloc.allocate(self.cache.blocks_for(len(prompt)))
+            self.prefixes[p] = _Prefix(blocks, self.decoder.prefill(prompt, blocks), self.params.n)
+        prefix = self.prefixes[p]
+        full = prefix.blocks[: len(prompt) // bs]
+        alloc.share(full)
+        table = list(full)
+        if len(prompt) % bs:  # copy on write: this sample will write into the partial block
+            (own,) = alloc.allocate(1)
+            self.cache.copy_block(prefix.blocks[-1], own)
+            table.append(own)
+        total = self.cache.blocks_for(len(prompt) + self.params.max_new_tokens - 1)
+        table += alloc.allocate(total - len(table))
+        prefix.samples_left -= 1
+        logits = prefix.logits
+        if prefix.samples_left == 0:  # the samples hold their own references now
+            alloc.release(prefix.blocks)
+            del self.prefixes[p]
+        self.events.append(("admit", request, self.step))
+        table_row = torch.tensor(table + [NULL_BLOCK] * (self.width - len(table)), dtype=torch.int64)
+        return _Row(request, len(prompt), table, table_row), logits
+
+    def _refill(self) -> None:
+        """Admit waiting requests FIFO while a row is free and the cache has room; sample their first token."""
+        admitted: list[tuple[_Row, Tensor]] = []
+        while self.waiting and len(self.running) + len(admitted) < self.max_num_seqs \
+                and self._blocks_to_admit(self.waiting[0]) <= self.cache.allocator.num_free:
+            admitted.append(self._admit(self.waiting.popleft()))
+        if self.waiting and not self.running and not admitted:
+            need = self._blocks_to_admit(self.waiting[0]) * self.cache.block_size
+            raise ValueError(f"the paged KV cache ({self.cache.num_blocks - 1} blocks) cannot hold one request "
+                             f"of {need} positions; raise TorchGenerationBackend(kv_cache_tokens=...)")
+        if admitted:
+            rows = [row for row, _ in admitted]
+            self._append(rows, torch.stack([logits for _, logits in admitted]))
+            self.running += [row for row in rows if self.results[row.request] is None]
+
+    # ------------------------------------------------------------------ decoding
+    def _append(self, rows: list[_Row], logits: Tensor) -> None:
+        """Sample one token for each row from logits (len(rows), V); finish rows that stop or run out."""
+        requests = torch.tensor([r.request for r in rows], device=logits.device)
+        steps = torch.tensor([len(r.tokens) for r in rows], device=logits.device)
+        tokens, logprobs = sample_next(logits, self.params, keys_B=self.keys[requests], steps_B=steps)
+        for row, token, logprob in zip(rows, tokens.tolist(), logprobs.tolist()):
+            row.tokens.append(token)
+            row.logprobs.append(logprob)
+            stopped = token in self.stop_ids
+            if stopped or len(row.tokens) == self.params.max_new_tokens:
+                self.results[row.request] = Completion(
+                    prompt_index=row.request // self.params.n, token_ids=row.tokens, logprobs=row.logprobs,
+                    finish_reason="stop" if stopped else "length")
+                self.cache.allocator.release(row.table)
+                self.events.append(("finish", row.request, self.step))
+
+    def _decode(self) -> None:
+        """One decode step over every running row, then drop the finished ones."""
+        rows = self.running
+        tokens = torch.tensor([r.tokens[-1] for r in rows])
+        positions = torch.tensor([r.prompt_len + len(r.tokens) - 1 for r in rows])
+        tables = torch.stack([r.table_row for r in rows])
+        self.batch_sizes.append(len(rows))
+        logits = self.decoder.decode(tokens, positions, tables)
+        self._append(rows, logits)
+        self.running = [r for r in rows if self.results[r.request] is None]
+
+    def run(self) -> list[Completion]:
+        """Generate every request; completions in request order (prompt-major)."""
+        while self.waiting or self.running:
+            self._refill()
+            if self.running:
+                self._decode()
+            self.step += 1
+        return self.results  # type: ignore[return-value]
