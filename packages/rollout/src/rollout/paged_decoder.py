@@ -104,6 +104,10 @@ class PagedDecoder:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
+    @property
+    def _use_graphs(self) -> bool:
+        return self.cuda_graphs and self.device.type == "cuda"
+
     def bucket_for(self, rows: int) -> int:
         """The smallest bucket >= rows (rows itself beyond the largest bucket)."""
         return next((b for b in self.buckets if b >= rows), rows)
@@ -173,9 +177,17 @@ class PagedDecoder:
 
     @torch.inference_mode()
     def decode(self, tokens: Tensor, positions: Tensor, tables: Tensor) -> Tensor:
-        """Logits (b, V) of the next token of b rows: last tokens (b,), their positions (b,), tables (b, M)."""
-        rows, width = tables.shape
+        """Logits (b, V) of the next token of b rows: last tokens (b,), their positions (b,), tables (b, M).
+
+        Inputs are CPU tensors (the scheduler's bookkeeping); they are copied into the static buffers."""
+        rows = tables.shape[0]
         bucket = self.bucket_for(rows)
+        # Attend over the blocks the longest row uses, not the whole table (rounded to a power of two
+        # when graphs are captured, so that few (bucket, width) graphs exist).
+        width = int(positions.max()) // self.block_size + 1
+        if self._use_graphs:
+            width = min(1 << (width - 1).bit_length(), tables.shape[1])
+        tables = tables[:, :width]
         self.tokens[:rows].copy_(tokens, non_blocking=True)
         self.positions[:rows].copy_(positions, non_blocking=True)
         self.tables[:rows, :width].copy_(tables, non_blocking=True)
@@ -183,7 +195,7 @@ class PagedDecoder:
         self.tokens[rows:bucket] = 0
         self.positions[rows:bucket] = 0
         self.tables[rows:bucket] = NULL_BLOCK
-        if self.device.type != "cuda" or not self.cuda_graphs:
+        if not self._use_graphs:
             return self._decode_step(bucket, width)[:rows]
         return self._replay(bucket, width)[:rows]
 

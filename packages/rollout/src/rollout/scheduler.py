@@ -115,20 +115,25 @@ class ContinuousBatcher:
         table_row = torch.tensor(table + [NULL_BLOCK] * (self.width - len(table)), dtype=torch.int64)
         return _Row(request, len(prompt), table, table_row), logits
 
-    def _refill(self) -> None:
-        """Admit waiting requests FIFO while a row is free and the cache has room; sample their first token."""
-        admitted: list[tuple[_Row, Tensor]] = []
-        while self.waiting and len(self.running) + len(admitted) < self.max_num_seqs \
-                and self._blocks_to_admit(self.waiting[0]) <= self.cache.allocator.num_free:
-            admitted.append(self._admit(self.waiting.popleft()))
-        if self.waiting and not self.running and not admitted:
-            need = self._blocks_to_admit(self.waiting[0]) * self.cache.block_size
-            raise ValueError(f"the paged KV cache ({self.cache.num_blocks - 1} blocks) cannot hold one request "
-                             f"of {need} positions; raise TorchGenerationBackend(kv_cache_tokens=...)")
-        if admitted:
+    def refill(self) -> None:
+        """Admit waiting requests FIFO while a row is free and the cache has room; sample their first token.
+
+        Repeats while admissions free rows again (a first token that is a stop token ends its row at once).
+        """
+        while True:
+            admitted: list[tuple[_Row, Tensor]] = []
+            while self.waiting and len(self.running) + len(admitted) < self.max_num_seqs \
+                    and self._blocks_to_admit(self.waiting[0]) <= self.cache.allocator.num_free:
+                admitted.append(self._admit(self.waiting.popleft()))
+            if not admitted:
+                break
             rows = [row for row, _ in admitted]
             self._append(rows, torch.stack([logits for _, logits in admitted]))
             self.running += [row for row in rows if self.results[row.request] is None]
+        if self.waiting and not self.running:
+            need = self._blocks_to_admit(self.waiting[0]) * self.cache.block_size
+            raise ValueError(f"the paged KV cache ({self.cache.num_blocks - 1} blocks) cannot hold one request "
+                             f"of {need} positions; raise TorchGenerationBackend(kv_cache_tokens=...)")
 
     # ------------------------------------------------------------------ decoding
     def _append(self, rows: list[_Row], logits: Tensor) -> None:
@@ -147,22 +152,21 @@ class ContinuousBatcher:
                 self.cache.allocator.release(row.table)
                 self.events.append(("finish", row.request, self.step))
 
-    def _decode(self) -> None:
-        """One decode step over every running row, then drop the finished ones."""
+    def decode_step(self) -> None:
+        """Refill, then one decode step over every running row; finished rows leave the batch."""
+        self.refill()
         rows = self.running
-        tokens = torch.tensor([r.tokens[-1] for r in rows])
-        positions = torch.tensor([r.prompt_len + len(r.tokens) - 1 for r in rows])
-        tables = torch.stack([r.table_row for r in rows])
         self.batch_sizes.append(len(rows))
-        logits = self.decoder.decode(tokens, positions, tables)
-        self._append(rows, logits)
-        self.running = [r for r in rows if self.results[r.request] is None]
+        if rows:
+            tokens = torch.tensor([r.tokens[-1] for r in rows])
+            positions = torch.tensor([r.prompt_len + len(r.tokens) - 1 for r in rows])
+            tables = torch.stack([r.table_row for r in rows])
+            self._append(rows, self.decoder.decode(tokens, positions, tables))
+            self.running = [r for r in rows if self.results[r.request] is None]
+        self.step += 1
 
     def run(self) -> list[Completion]:
         """Generate every request; completions in request order (prompt-major)."""
         while self.waiting or self.running:
-            self._refill()
-            if self.running:
-                self._decode()
-            self.step += 1
+            self.decode_step()
         return self.results  # type: ignore[return-value]

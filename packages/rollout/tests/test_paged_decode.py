@@ -1,0 +1,196 @@
+"""The paged decode path (paged KV cache, prefix sharing, continuous batching, static-shape buckets) against
+independent references: HF `generate`, a fresh HF forward pass, the one-batch run, exact-size batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from rl_core.importance import importance_weights
+from rl_core.interfaces import SamplingParams
+from rl_core.testing.contracts import check_generation_backend
+from rl_core.testing.tiny_models import cached_tiny_checkpoint
+from rollout.paged_cache import BlockAllocator
+from rollout.sampling import counter_exponential, row_keys, sample_next
+from rollout.scheduler import ContinuousBatcher
+from rollout.torch_backend import TorchGenerationBackend
+
+EOS = 2
+
+
+def paged(path, **kwargs) -> TorchGenerationBackend:
+    """A paged backend with small blocks (prompts span several blocks and end mid-block) and few rows."""
+    options = dict(decode="paged", block_size=4, max_num_seqs=3)
+    options.update(kwargs)
+    return TorchGenerationBackend(str(path), **options)
+
+
+def assert_same_completions(a, b, atol=1e-5):
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    assert [c.finish_reason for c in a] == [c.finish_reason for c in b]
+    for x, y in zip(a, b):
+        torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3"])
+def test_paged_greedy_equals_hf_generate(arch, model_cache, prompts, hf_ref):
+    path = cached_tiny_checkpoint(arch, seed=3, cache_dir=model_cache)
+    backend = paged(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = backend.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=20))
+    assert len(backend.last_events) == 2 * len(prompts) and max(backend.last_batch_sizes) == 3  # refills ran
+    for prompt, completion in zip(prompts, out):
+        expected = hf_ref.greedy(hf, prompt, 20)
+        assert completion.token_ids == expected
+        assert completion.finish_reason == ("stop" if expected[-1] == EOS else "length")
+        ref = hf_ref.logprobs(hf, prompt, completion.token_ids, 1.0)
+        torch.testing.assert_close(torch.tensor(completion.logprobs), ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 20, 0.9)])
+def test_paged_sampled_logprobs_equal_hf_forward(tiny_ckpt, prompts, temperature, top_k, top_p, hf_ref):
+    backend = paged(tiny_ckpt)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
+    params = SamplingParams(n=4, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=16, seed=7)
+    out = backend.generate(prompts, params)
+    assert [c.prompt_index for c in out] == [i for i in range(len(prompts)) for _ in range(4)]
+    gen = [torch.tensor(c.logprobs) for c in out]
+    prev = [hf_ref.logprobs(hf, prompts[c.prompt_index], c.token_ids, temperature) for c in out]
+    gen_t, prev_t = torch.cat(gen), torch.cat(prev)
+    assert (gen_t - prev_t).abs().max() <= 1e-5
+    seq_ids = torch.cat([torch.full((len(g),), i) for i, g in enumerate(gen)])
+    _, metrics = importance_weights(prev_t, gen_t, torch.ones_like(gen_t), seq_ids)
+    assert float(metrics["token_mult_prob_error"]) <= 1.0001
+    assert len({tuple(c.token_ids) for c in out[:4]}) > 1  # the n samples of a prompt differ
+
+
+def test_continuous_batching_equals_one_batch(tiny_ckpt, prompts, tokenizer):
+    """3 rows at a time with refills == all 15 rows in one batch, with stops making lengths differ."""
+    one_batch = paged(tiny_ckpt, max_num_seqs=64, block_size=16)
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=24, seed=5, stop_token_ids=tokenizer.convert_tokens_to_ids(["e", "a"]))
+    expected = one_batch.generate(prompts, params)
+    assert one_batch.last_batch_sizes[0] == 15 and all(e[2] == 0 for e in one_batch.last_events if e[0] == "admit")
+    assert len({len(c.token_ids) for c in expected}) > 2  # rows finish at different steps
+    continuous = paged(tiny_ckpt, max_num_seqs=3)
+    assert_same_completions(continuous.generate(prompts, params), expected)
+
+
+def test_refill_order_keeps_the_batch_full(tiny_ckpt, prompts, tokenizer):
+    backend = paged(tiny_ckpt, max_num_seqs=4)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=1, stop_token_ids=tokenizer.convert_tokens_to_ids(["e", "a"]))
+    out = backend.generate(prompts, params)
+    admits = {row: step for kind, row, step in backend.last_events if kind == "admit"}
+    finishes = {row: step for kind, row, step in backend.last_events if kind == "finish"}
+    assert [row for kind, row, _ in backend.last_events if kind == "admit"] == list(range(2 * len(prompts)))
+    for step, size in enumerate(backend.last_batch_sizes):
+        # A row decodes at step s if admitted by s and not finished before (a row whose first token, sampled
+        # at admission, stops it never decodes).
+        decoding = [r for r in admits if admits[r] <= step and (finishes[r] > step or (
+            finishes[r] == step and len(out[r].token_ids) > 1))]
+        assert size == len(decoding)
+        if any(admits[r] > step for r in admits):
+            assert size == 4, f"step {step}: batch not refilled while requests wait"
+    assert [len(c.token_ids) for c in out] != [12] * len(out)
+
+
+def test_bucket_padding_equals_exact_batches(tiny_ckpt, prompts):
+    """Static-shape steps padded to bucket 8 (the CPU stand-in for graph buckets) == unpadded steps."""
+    params = SamplingParams(n=3, temperature=0.8, top_k=30, max_new_tokens=16, seed=2)
+    padded = paged(tiny_ckpt, max_num_seqs=7, batch_buckets=(8,))
+    exact = paged(tiny_ckpt, max_num_seqs=7, batch_buckets=tuple(range(1, 8)))
+    calls: list[int] = []
+    hook = padded.model.model.embed_tokens.register_forward_hook(lambda m, a, out: calls.append(a[0].shape[0]))
+    out = padded.generate(prompts, params)
+    hook.remove()
+    steps = padded.last_batch_sizes
+    assert set(calls) >= {8} and min(steps) < 7  # decode steps ran at 8 rows with fewer real rows
+    assert_same_completions(out, exact.generate(prompts, params))
+
+
+def test_prefix_sharing_cache_layout(tiny_ckpt):
+    """Samples share the prompt's full blocks (refcount n), copy its partial block; all blocks come back."""
+    backend = paged(tiny_ckpt, max_num_seqs=8, block_size=4)
+    prompt = list(range(3, 13))  # 10 tokens: 2 full blocks + a partial one
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=6, seed=0)
+    backend.generate([prompt], params)  # sizes the cache
+    cache = backend.decoder.cache
+    assert cache.allocator.num_free == cache.num_blocks - 1  # free list full again after the call
+    batcher = ContinuousBatcher(backend.decoder, [prompt], params, {EOS}, max_num_seqs=8, seed=0)
+    batcher.refill()
+    tables = [row.table for row in batcher.running]
+    assert len(tables) == 3 and all(len(t) == 4 for t in tables)  # ceil((10 + 6 - 1) / 4) blocks each
+    full = tables[0][:2]
+    assert all(t[:2] == full for t in tables) and all(cache.allocator.refcount[b] == 3 for b in full)
+    partial = [t[2] for t in tables]
+    assert len(set(partial)) == 3  # copy on write: one private partial block per sample
+    for b in partial:  # each copy holds the prompt's K/V of positions 8, 9 in every layer
+        torch.testing.assert_close(cache.k[:, b, :2], cache.k[:, partial[0], :2], atol=0, rtol=0)
+    private = {b for t in tables for b in t[2:]}
+    assert all(cache.allocator.refcount[b] == 1 for b in private) and len(private) == 6
+    used = len(set(full) | private)
+    assert cache.allocator.num_free == cache.num_blocks - 1 - used  # the prompt's own partial block is freed
+    while batcher.running or batcher.waiting:
+        batcher.decode_step()
+    assert cache.allocator.num_free == cache.num_blocks - 1
+    assert all(c == 0 for c in cache.allocator.refcount)
+
+
+def test_allocator_and_cache_size_errors(tiny_ckpt, prompts):
+    alloc = BlockAllocator(4)
+    blocks = alloc.allocate(3)
+    assert blocks == [1, 2, 3] and alloc.num_free == 0
+    with pytest.raises(RuntimeError, match="2 blocks requested, 0 free"):
+        alloc.allocate(2)
+    alloc.release(blocks)
+    with pytest.raises(RuntimeError, match="released more often"):
+        alloc.release([1])
+    small = paged(tiny_ckpt, kv_cache_tokens=8)
+    with pytest.raises(ValueError, match=r"kv_cache_tokens"):
+        small.generate(prompts, SamplingParams(max_new_tokens=16))
+
+
+def test_counter_sampling_draws_from_the_distribution():
+    """Keyed exponential-race draws hit each token with its probability (20k independent rows)."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    rows = 20000
+    keys = row_keys(123, torch.arange(rows))
+    noise = counter_exponential(keys, torch.zeros(rows, dtype=torch.int64), 4)
+    tokens = (probs[None] / noise).argmax(-1)
+    freq = torch.bincount(tokens, minlength=4).float() / rows
+    torch.testing.assert_close(freq, probs, atol=0.015, rtol=0)
+    assert abs(float(noise.mean()) - 1.0) < 0.02  # Exp(1) has mean 1
+    # Same (key, step) -> same draw whatever the batch; another step -> other draws.
+    logits = torch.log(probs)[None].repeat(rows, 1)
+    params = SamplingParams(temperature=1.0)
+    a, _ = sample_next(logits, params, keys_B=keys, steps_B=torch.zeros(rows, dtype=torch.int64))
+    b, _ = sample_next(logits[:7], params, keys_B=keys[:7], steps_B=torch.zeros(7, dtype=torch.int64))
+    c, _ = sample_next(logits, params, keys_B=keys, steps_B=torch.ones(rows, dtype=torch.int64))
+    assert torch.equal(a[:7], b) and not torch.equal(a, c)
+
+
+def test_paged_refit_sleep_and_contract(tiny_ckpt, tiny_ckpt_other, prompts):
+    refit, fresh = paged(tiny_ckpt), paged(tiny_ckpt_other)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=10, seed=11)
+    before = refit.generate(prompts, params)
+    refit.update_weights(load_file(tiny_ckpt_other / "model.safetensors").items())
+    after = refit.generate(prompts, params)
+    assert_same_completions(after, fresh.generate(prompts, params), atol=0)
+    assert [c.token_ids for c in after] != [c.token_ids for c in before]
+    refit.sleep(level=1)
+    assert refit.decoder.cache is None  # the KV cache is freed
+    refit.wake()
+    assert_same_completions(refit.generate(prompts, params), after, atol=0)
+    refit.sleep(level=2)
+    refit.wake()  # reloads tiny_ckpt from disk
+    assert_same_completions(refit.generate(prompts, params), before, atol=0)
+    check_generation_backend(refit, prompts, eos_token_id=EOS)
+
+
+def test_paged_rejects_unsupported_models(model_cache):
+    path = cached_tiny_checkpoint("mistral", seed=0, cache_dir=model_cache, sliding_window=8)
+    with pytest.raises(ValueError, match="decode='dense'"):
+        TorchGenerationBackend(str(path), decode="paged")
+    with pytest.raises(ValueError, match="decode='fast'.*'paged'"):
+        TorchGenerationBackend(str(path), decode="fast")
