@@ -194,3 +194,64 @@ def test_paged_rejects_unsupported_models(model_cache):
         TorchGenerationBackend(str(path), decode="paged")
     with pytest.raises(ValueError, match="decode='fast'.*'paged'"):
         TorchGenerationBackend(str(path), decode="fast")
+
+
+# ---------------------------------------------------------------------- GPU (skipped without CUDA)
+def _cuda_logprobs(model, prompt: list[int], completion: list[int], temperature: float) -> torch.Tensor:
+    """Logprobs of `completion` under a fresh single-sequence forward of `model` on CUDA (float32 result)."""
+    from rl_core.logprobs import target_logprobs
+
+    ids = torch.tensor([prompt + completion], device="cuda")
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    return target_logprobs(logits[:-1], ids[0, 1:], temperature)[len(prompt) - 1:].cpu()
+
+
+@pytest.mark.gpu
+def test_graph_replay_equals_eager_on_cuda(tiny_ckpt, prompts, hf_ref):
+    graphs = paged(tiny_ckpt, device="cuda", max_num_seqs=8)
+    eager = paged(tiny_ckpt, device="cuda", max_num_seqs=8, cuda_graphs=False)
+    params = SamplingParams(n=4, temperature=1.0, top_p=0.95, max_new_tokens=24, seed=3)
+    out = graphs.generate(prompts, params)
+    assert graphs.decoder.graph_captures > 0 and eager.decoder.graph_captures == 0
+    assert_same_completions(out, eager.generate(prompts, params))
+    hf = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
+    greedy = graphs.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=16))
+    assert [c.token_ids for c in greedy] == [hf_ref.greedy(hf, p, 16) for p in prompts]
+
+
+@pytest.mark.gpu
+def test_refit_does_not_recapture_and_sleep_frees_the_cache_on_cuda(tiny_ckpt, tiny_ckpt_other, prompts):
+    refit, fresh = paged(tiny_ckpt, device="cuda"), paged(tiny_ckpt_other, device="cuda")
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=4)
+    refit.generate(prompts, params)
+    captures = refit.decoder.graph_captures
+    refit.update_weights(load_file(tiny_ckpt_other / "model.safetensors").items())
+    after = refit.generate(prompts, params)
+    assert refit.decoder.graph_captures == captures  # same shapes: the captured graphs read the new weights
+    assert_same_completions(after, fresh.generate(prompts, params), atol=1e-6)
+    torch.cuda.synchronize()
+    before_sleep = torch.cuda.memory_allocated()
+    refit.sleep(level=1)
+    freed = before_sleep - torch.cuda.memory_allocated()
+    weights = sum(p.numel() * p.element_size() for p in refit.model.parameters())
+    assert next(refit.model.parameters()).device.type == "cpu" and freed >= weights
+    refit.wake()
+    assert_same_completions(refit.generate(prompts, params), after, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_bf16_paged_logprobs_match_a_fresh_bf16_forward_on_cuda(model_cache, prompts):
+    """bf16 paged decode vs a fresh bf16 HF forward of the same tokens (what the trainer recomputes)."""
+    path = cached_tiny_checkpoint("qwen2", seed=5, cache_dir=model_cache, hidden_size=256, intermediate_size=512,
+                                  num_hidden_layers=4)
+    backend = paged(path, device="cuda", dtype="bfloat16", max_num_seqs=16, block_size=16)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    out = backend.generate(prompts, SamplingParams(n=4, temperature=1.0, max_new_tokens=48, seed=0))
+    gen = [torch.tensor(c.logprobs) for c in out]
+    prev = [_cuda_logprobs(hf, prompts[c.prompt_index], c.token_ids, 1.0) for c in out]
+    gen_t, prev_t = torch.cat(gen), torch.cat(prev)
+    seq_ids = torch.cat([torch.full((len(g),), i) for i, g in enumerate(gen)])
+    _, metrics = importance_weights(prev_t, gen_t, torch.ones_like(gen_t), seq_ids)
+    assert float(metrics["token_mult_prob_error"]) <= 1.02
+    assert abs(float(metrics["gen_kl"])) <= 1e-3

@@ -94,18 +94,22 @@ def sample_next(
     logits = logits_BV.float()
     if params.temperature == 0.0:
         tokens = logits.argmax(dim=-1)
-        logp = torch.log_softmax(logits, dim=-1)
-        return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+        return tokens, _token_logprobs(logits, tokens)
     scaled = logits / params.temperature
-    logp = torch.log_softmax(scaled, dim=-1)
     filtered = filter_logits(scaled, params.top_k, params.top_p)
-    probs = torch.softmax(filtered, dim=-1)
     if keys_B is not None:
-        race = counter_exponential(keys_B, steps_B, probs.shape[-1])
+        race = counter_exponential(keys_B, steps_B, scaled.shape[-1])
     else:
-        race = torch.empty_like(probs).exponential_(generator=generator)
-    tokens = (probs / race).argmax(dim=-1)
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+        race = torch.empty_like(scaled).exponential_(generator=generator)
+    # argmax(p / E) == argmax(log p - log E), and log p differs from `filtered` by a per-row constant:
+    # no softmax over the vocabulary is needed to draw.
+    tokens = (filtered - race.log()).argmax(dim=-1)
+    return tokens, _token_logprobs(scaled, tokens)
+
+
+def _token_logprobs(logits_BV: Tensor, tokens_B: Tensor) -> Tensor:
+    """log_softmax(logits)[token] per row without materialising the (B, V) log-softmax."""
+    return logits_BV.gather(-1, tokens_B[:, None]).squeeze(-1) - torch.logsumexp(logits_BV, dim=-1)
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
