@@ -15,12 +15,16 @@ from rl_core.testing.tiny_models import cached_tiny_checkpoint
 from rollout.torch_backend import TorchGenerationBackend
 
 EOS = 2
+# Both decode paths; paged with small blocks (prompts span several blocks and end mid-block) and 3 rows at a
+# time (continuous batching refills rows while others decode).
+DECODE_PATHS = {"dense": dict(decode="dense"), "paged": dict(decode="paged", block_size=4, max_num_seqs=3)}
 
 
+@pytest.mark.parametrize("decode", DECODE_PATHS)
 @pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3"])
-def test_greedy_equals_hf_generate(arch, model_cache, prompts, hf_ref):
+def test_greedy_equals_hf_generate(arch, decode, model_cache, prompts, hf_ref):
     path = cached_tiny_checkpoint(arch, seed=3, cache_dir=model_cache)
-    backend = TorchGenerationBackend(str(path))
+    backend = TorchGenerationBackend(str(path), **DECODE_PATHS[decode])
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     out = backend.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=20))
     for prompt, completion in zip(prompts, out):
@@ -32,9 +36,10 @@ def test_greedy_equals_hf_generate(arch, model_cache, prompts, hf_ref):
         torch.testing.assert_close(torch.tensor(completion.logprobs), ref, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("decode", DECODE_PATHS)
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 20, 0.9)])
-def test_sampled_logprobs_equal_hf_forward(tiny_ckpt, prompts, temperature, top_k, top_p, hf_ref):
-    backend = TorchGenerationBackend(str(tiny_ckpt))
+def test_sampled_logprobs_equal_hf_forward(tiny_ckpt, prompts, temperature, top_k, top_p, decode, hf_ref):
+    backend = TorchGenerationBackend(str(tiny_ckpt), **DECODE_PATHS[decode])
     hf = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
     params = SamplingParams(n=4, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=16, seed=7)
     out = backend.generate(prompts, params)
@@ -44,6 +49,8 @@ def test_sampled_logprobs_equal_hf_forward(tiny_ckpt, prompts, temperature, top_
         prev.append(hf_ref.logprobs(hf, prompts[c.prompt_index], c.token_ids, temperature))
     gen_t, prev_t = torch.cat(gen), torch.cat(prev)
     assert (gen_t - prev_t).abs().max() <= 1e-5
+    assert [c.prompt_index for c in out] == [i for i in range(len(prompts)) for _ in range(4)]
+    assert len({tuple(c.token_ids) for c in out[:4]}) > 1  # the n samples of a prompt differ
     seq_ids = torch.cat([torch.full((len(g),), i) for i, g in enumerate(gen)])
     _, metrics = importance_weights(prev_t, gen_t, torch.ones_like(gen_t), seq_ids)
     assert float(metrics["token_mult_prob_error"]) <= 1.0001
