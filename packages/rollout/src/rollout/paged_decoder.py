@@ -168,9 +168,11 @@ class PagedDecoder:
 
         def paged_attention(i: int, attn: Any, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             keys, values = self.cache.gather(i, tables)  # (bucket, H_kv, width * bs, D)
+            # One query token per row: the query heads of a K/V group become that group's "query length"
+            # (head h uses K/V head h // group, as repeat_kv does), so GQA needs no K/V head copies.
+            grouped = q.view(bucket, self.kv_heads, -1, self.head_dim)  # (bucket, H_kv, group, D)
             out = torch.nn.functional.scaled_dot_product_attention(
-                q[:, :, None], keys, values, attn_mask=visible, scale=attn.scaling,
-                enable_gqa=q.shape[1] != keys.shape[1])  # (bucket, H, 1, D)
+                grouped, keys, values, attn_mask=visible, scale=attn.scaling)  # (bucket, H_kv, group, D)
             return out.reshape(bucket, -1)
 
         return self._logits(self._layers(tokens, positions, slots, paged_attention))
