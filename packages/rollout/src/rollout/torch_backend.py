@@ -98,6 +98,9 @@ class TorchGenerationBackend:
             raise ValueError(f"TorchGenerationBackend max_num_seqs={max_num_seqs}; expected >= 1")
         if decode not in ("auto", "paged", "dense"):
             raise ValueError(f"TorchGenerationBackend decode={decode!r}; choose 'auto', 'paged' or 'dense'")
+        if block_size < 1 or (kv_cache_tokens is not None and kv_cache_tokens < block_size):
+            raise ValueError(f"TorchGenerationBackend block_size={block_size}, kv_cache_tokens={kv_cache_tokens}; "
+                             "expected block_size >= 1 and kv_cache_tokens >= block_size (or None: sized per call)")
         if not 0.0 < compact_fraction <= 1.0:
             raise ValueError(f"TorchGenerationBackend compact_fraction={compact_fraction}; expected in (0, 1]")
         self.model_path = str(model_path)
