@@ -9,6 +9,12 @@ trainer's numerics (`prev_logprobs`, same weights). The weight is w = exp(prev -
   exp(mean log w) falls outside [low, high] get weight 0.
 Metrics are sums divided by `num_valid_tokens` (the global count if given), so they add up over
 micro-batches (rl_core.metrics).
+
+Numerics: masked positions are replaced by 0 with `torch.where` before anything is exponentiated (a
+prompt token's trainer logprob can be -90 or -inf while gen is 0 there: `exp(...) * mask` would be
+inf * 0 = NaN), and every log-ratio is clamped to +-LOG_RATIO_CLAMP before `exp` (as verl does), so a
+weight or `token_mult_prob_error` term is at most exp(20) ~ 4.9e8, never inf in float32 (exp overflows
+there at 88.7).
 """
 
 from __future__ import annotations
@@ -23,6 +29,17 @@ from rl_core.segments import segment_mean, segment_sum
 ISLevel = Literal["token", "sequence"]
 ISMode = Literal["tis", "icepop", "seq-mask-tis"] | None
 IS_MODES = (None, "tis", "icepop", "seq-mask-tis")
+LOG_RATIO_CLAMP = 20.0
+
+
+def masked_log_ratio(numerator: Tensor, denominator: Tensor, valid: Tensor) -> Tensor:
+    """`numerator - denominator` on valid tokens, 0 on masked ones, clamped to +-LOG_RATIO_CLAMP.
+
+    `torch.where` rather than `* mask`: a -inf or NaN on a masked token must not reach the result
+    (inf * 0 is NaN) nor its gradient (where's backward sends 0 to the branch it did not take).
+    """
+    diff = torch.where(valid, numerator - denominator, torch.zeros_like(numerator))
+    return diff.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
 def importance_weights(
@@ -45,9 +62,10 @@ def importance_weights(
     if not low <= high:
         raise ValueError(f"importance bounds need low <= high; got low={low}, high={high}")
     prev, gen, mask = prev_logprobs.detach(), gen_logprobs.detach(), mask.detach().to(prev_logprobs.dtype)
-    log_w = (prev - gen) * mask
+    valid = mask > 0
+    log_w = masked_log_ratio(prev, gen, valid)
     if level == "sequence":
-        log_w = segment_sum(log_w, seq_ids)[seq_ids]
+        log_w = segment_sum(log_w, seq_ids)[seq_ids].clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     raw = torch.exp(log_w)
     if mode is None:
         weights, out_of_bounds = raw, torch.zeros_like(raw, dtype=torch.bool)
@@ -57,14 +75,18 @@ def importance_weights(
         out_of_bounds = (raw < low) | (raw > high)
         weights = torch.where(out_of_bounds, torch.zeros_like(raw), raw)
     else:  # seq-mask-tis
-        seq_ratio = torch.exp(segment_mean(prev - gen, mask, seq_ids))[seq_ids]
-        out_of_bounds = (seq_ratio < low) | (seq_ratio > high)
-        weights = torch.where(out_of_bounds, torch.zeros_like(raw), torch.exp(prev - gen).clamp(max=high))
-    weights = weights * mask
+        token_log_w = masked_log_ratio(prev, gen, valid)
+        # the mean of unclamped differences: one -inf token must reject its sequence, not be clamped away
+        seq_log_ratio = segment_mean(torch.where(valid, prev - gen, torch.zeros_like(prev)), mask, seq_ids)
+        seq_ratio = torch.exp(seq_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))[seq_ids]
+        out_of_bounds = (seq_ratio < low) | (seq_ratio > high) | seq_log_ratio.isnan()[seq_ids]
+        weights = torch.where(out_of_bounds, torch.zeros_like(raw), torch.exp(token_log_w).clamp(max=high))
+    weights = torch.where(valid, weights, torch.zeros_like(weights))
     denom = float(num_valid_tokens) if num_valid_tokens is not None else mask.sum().clamp(min=1)
+    abs_log_w = masked_log_ratio(gen, prev, valid).abs()
     metrics = {
-        "token_mult_prob_error": (torch.exp((gen - prev).abs()) * mask).sum() / denom,
-        "gen_kl": ((gen - prev) * mask).sum() / denom,
+        "token_mult_prob_error": torch.where(valid, torch.exp(abs_log_w), torch.zeros_like(abs_log_w)).sum() / denom,
+        "gen_kl": torch.where(valid, gen - prev, torch.zeros_like(prev)).sum() / denom,
         "is_oob_fraction": (out_of_bounds.to(mask.dtype) * mask).sum() / denom,
         "is_weight_mean": weights.sum() / denom,
         "is_weight_max": weights.max() if weights.numel() else weights.new_zeros(()),

@@ -10,6 +10,14 @@ Aggregation over the *global* batch (N_tok valid tokens, N_seq valid sequences, 
     "seq-mean-token-sum"   sum_s sum_{t in s} loss_t / N_seq   (Dr.GRPO, no length normalisation)
 Because the normalisers are global, the losses of any split into micro-batches and ranks add up to the
 full-batch loss. All tensors are flat per-token (T,) of one micro-batch.
+
+Numerics: masked tokens are replaced by 0 (`torch.where`) before anything is exponentiated, and the
+log-ratio is clamped to +-20 (rl_core.importance.LOG_RATIO_CLAMP) before `exp`, so neither a -inf on a
+prompt token nor a log-ratio past float32's exp overflow (88.7) makes the loss or its gradient NaN.
+A non-finite trainer logprob (current, prev or ref) on a *valid* token is counted
+(`nonfinite_logprob_tokens`) and makes the loss NaN on purpose: the engines' optimizer_step skips a
+step whose grad norm is not finite (metric `skipped`), so such a batch is never applied, on every DP
+rank alike (the NaN reaches all of them through the gradient all-reduce).
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from torch import Tensor
 
 from rl_core.batch import LossInputs
 from rl_core.config import ConfigError
-from rl_core.importance import ISLevel, ISMode, importance_weights
+from rl_core.importance import ISLevel, ISMode, importance_weights, masked_log_ratio
 from rl_core.kl import KLKind, kl_penalty
 from rl_core.segments import segment_mean, segment_sum
 
@@ -79,7 +87,9 @@ def clipped_pg_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Micro-batch loss (scalar) and metrics, each already divided by the global normalisers."""
     mask = mask.to(logprobs.dtype)
-    log_ratio = logprobs - prev_logprobs
+    valid = mask > 0
+    nonfinite = _count_nonfinite(valid, logprobs, prev_logprobs, ref_logprobs)
+    log_ratio = masked_log_ratio(logprobs, prev_logprobs, valid)
     if sequence_level_ratio:  # GSPO: one ratio per sequence, geometric mean of the token ratios
         log_ratio = segment_mean(log_ratio, mask, seq_ids)[seq_ids]
     ratio = torch.exp(log_ratio)
@@ -97,6 +107,9 @@ def clipped_pg_loss(
         pg = pg * is_weights.detach()
     pg_loss = aggregate(pg, mask, seq_ids, agg, num_valid_tokens, num_valid_seqs)
     loss = pg_loss
+    if ref_logprobs is not None:  # masked tokens: logr = 0 - 0, so no -inf reaches the estimator's exp
+        logprobs = torch.where(valid, logprobs, torch.zeros_like(logprobs))
+        ref_logprobs = torch.where(valid, ref_logprobs, torch.zeros_like(ref_logprobs))
     if ref_logprobs is not None and kl_coef != 0.0:
         kl = kl_penalty(logprobs, ref_logprobs, kl_kind, kl_input_clamp, kl_output_clamp)
         kl_loss = aggregate(kl, mask, seq_ids, agg, num_valid_tokens, num_valid_seqs)
@@ -113,8 +126,20 @@ def clipped_pg_loss(
         metrics["ratio_max"] = _masked_extreme(ratio.detach(), mask, largest=True)
         metrics["advantages_mean"] = (advantages * mask).sum() / n_tok
         if entropy is not None:
-            metrics["entropy"] = (entropy.detach() * mask).sum() / n_tok
+            metrics["entropy"] = torch.where(valid, entropy.detach(), 0.0).sum() / n_tok
+        metrics["nonfinite_logprob_tokens"] = nonfinite.to(mask.dtype)
+    if nonfinite > 0:  # poison the gradient so that optimizer_step skips the step (module docstring)
+        loss = loss * float("nan")
     return loss, metrics
+
+
+def _count_nonfinite(valid: Tensor, *logprobs: Tensor | None) -> Tensor:
+    """Valid tokens where any of the given logprobs is inf or NaN."""
+    bad = torch.zeros_like(valid)
+    for lp in logprobs:
+        if lp is not None:
+            bad |= ~torch.isfinite(lp.detach())
+    return (bad & valid).sum()
 
 
 @dataclass(kw_only=True)
