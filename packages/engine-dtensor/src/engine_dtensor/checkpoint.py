@@ -1,9 +1,10 @@
 """Checkpoints and weight export of a parallelised model.
 
 Owns: `torch.distributed.checkpoint` (DCP) save/load of model + optimizer (sharded, reshardable),
-scheduler and per-rank RNG state, written to `<path>.tmp` and renamed into place so that a crash never
-leaves a half-written `<path>`; streaming export of full HF-named tensors (one all-gather at a time);
-`save_hf` (safetensors shards + config + tokenizer files) that `AutoModelForCausalLM.from_pretrained`
+scheduler and per-rank RNG state (tensors and plain values: loaded with weights_only), written to
+`<path>.tmp`, listed in a checksum manifest and renamed into place, so that a crash never leaves a
+half-written `<path>` and a damaged one is refused before DCP unpickles its `.metadata`; streaming
+export of full HF-named tensors (one all-gather at a time); `save_hf` (safetensors shards + config + tokenizer files) that `AutoModelForCausalLM.from_pretrained`
 loads. The filesystem must be shared by all ranks (one node, or a network filesystem).
 """
 
@@ -12,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,6 +25,14 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from engine_dtensor.parallelize import hf_name
+from rl_core.checkpoint_io import (
+    load_tensors,
+    publish_dir,
+    rng_state,
+    set_rng_state,
+    verify_manifest,
+    write_manifest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -40,31 +48,6 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def _replace_dir(tmp: Path, final: Path) -> None:
-    """Rename `tmp` to `final`; an existing `final` is moved aside first and removed after."""
-    old = final.with_name(final.name + ".old")
-    if old.exists():
-        shutil.rmtree(old)
-    if final.exists():
-        os.rename(final, old)
-    os.rename(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def _prepare_tmp(path: str) -> Path:
     final = Path(path)
     tmp = final.with_name(final.name + ".tmp")
@@ -78,7 +61,8 @@ def _prepare_tmp(path: str) -> Path:
 def _commit(tmp: Path, path: str) -> None:
     _barrier()  # every rank has finished writing
     if _rank() == 0:
-        _replace_dir(tmp, Path(path))
+        write_manifest(tmp)  # last: its presence says the directory is complete
+        publish_dir(tmp, path)
     _barrier()
 
 
@@ -97,6 +81,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     """Restore what `save_checkpoint` wrote (resharding to this run's layout if it differs)."""
     if not (Path(path) / ".metadata").exists():
         raise ValueError(f"{path!r} is not a DTensor engine checkpoint (no DCP .metadata file in it)")
+    verify_manifest(path)  # before dcp.load, which unpickles .metadata
     model_sd, optim_sd = get_state_dict(model, optimizer)  # the target layout, incl. empty optimizer state
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
@@ -105,7 +90,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     if not extra_file.exists():  # loaded at a larger world size: ranks without a file reuse rank 0's RNG
         logger.warning("%s not found (checkpoint from fewer ranks); using rank 0's RNG state", extra_file)
         extra_file = Path(path) / "extra_rank0.pt"
-    extra = torch.load(extra_file, weights_only=False)
+    extra = load_tensors(extra_file)
     scheduler.load_state_dict(extra["scheduler"])
     set_rng_state(extra["rng"])
     logger.info("loaded checkpoint %s", path)

@@ -3,16 +3,15 @@
 Owns the on-disk layout of an engine checkpoint: one `dist_checkpointing` directory holding the model's
 sharded state, the distributed optimizer's state in the `fully_reshardable` layout (loadable under
 another DP size), the scheduler (common state) and one RNG file per rank. Written into a temporary
-directory beside `path` and renamed into place only after every rank has finished, so a crash never
-leaves a half-written checkpoint under `path`.
+directory beside `path`, listed in a checksum manifest and renamed into place only after every rank has
+finished, so a crash never leaves a half-written checkpoint under `path`, and a damaged one is refused
+before megatron reads (and unpickles) it. RNG files hold tensors and plain values (loaded weights_only).
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
-import os
-import shutil
 import uuid
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,14 @@ import torch.distributed as dist
 
 from engine_megatron.compat import device_context
 from engine_megatron.model import gpt_model
+from rl_core.checkpoint_io import (
+    load_tensors,
+    publish_dir,
+    rng_state,
+    set_rng_state,
+    verify_manifest,
+    write_manifest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -71,19 +78,14 @@ def _use_forked_results_queue() -> None:
 def _rng_state() -> dict[str, Any]:
     from megatron.core import tensor_parallel
 
-    state = {"cpu": torch.get_rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
+    return {**rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
     from megatron.core import tensor_parallel
 
-    torch.set_rng_state(state["cpu"])
+    set_rng_state(state)
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 def _common_path(path: str) -> Path:
@@ -114,9 +116,8 @@ def save(path: str, model: Any, optimizer: Any, scheduler: Any) -> None:
     torch.save(_rng_state(), tmp / f"rng_rank{dist.get_rank()}.pt")
     dist.barrier()
     if dist.get_rank() == 0:
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        write_manifest(tmp)  # last: its presence says the directory is complete
+        publish_dir(tmp, final)
     dist.barrier()
     logger.info("saved engine checkpoint to %s", final)
 
@@ -129,6 +130,7 @@ def load(path: str, model: Any, optimizer: Any, scheduler: Any) -> None:
     if not Path(path, "metadata.json").exists():
         raise ValueError(f"{path} is not an engine checkpoint (no metadata.json); pass a directory that "
                          "MegatronEngine.save_checkpoint wrote")
+    verify_manifest(path)  # before dist_checkpointing reads (and unpickles) anything in it
     with device_context():
         state = dist_checkpointing.load(_sharded_state(model, optimizer, scheduler, is_loading=True), path)
     missing, unexpected = gpt_model(model).load_state_dict(state["model"], strict=False)
@@ -140,7 +142,7 @@ def load(path: str, model: Any, optimizer: Any, scheduler: Any) -> None:
     scheduler.load_state_dict(state["scheduler"])
     rng_file = Path(path, f"rng_rank{dist.get_rank()}.pt")
     if rng_file.exists():
-        _set_rng_state(torch.load(rng_file, weights_only=False))
+        _set_rng_state(load_tensors(rng_file))
     else:
         logger.warning("%s has no RNG state for rank %d (saved with another world size): RNG not restored",
                        path, dist.get_rank())

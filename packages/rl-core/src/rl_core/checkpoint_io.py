@@ -1,0 +1,175 @@
+"""Crash-safe checkpoint files: atomic writes, a checksum manifest, RNG state, loading without pickle code.
+
+- `atomic_write_text` / `atomic_dir` / `publish_dir`: write beside the target, fsync, then rename, so a
+  reader (or a restarted run) sees the old version or the new one, never a half-written one.
+- `write_manifest` / `verify_manifest`: `MANIFEST.json`, written last, lists the relative path, size and
+  sha256 of every file under a directory. A subdirectory with its own manifest is covered by that
+  manifest's checksum (verified recursively), so an engine checkpoint inside a run checkpoint is hashed
+  once. Verifying before loading is what keeps a damaged file from being read, and what protects
+  torch's DCP reader, which unpickles `.metadata`: a checkpoint from elsewhere is code, trust it as such.
+- `rng_state` / `set_rng_state`: torch (CPU, CUDA) and Python RNG as tensors and plain types.
+- `load_tensors`: `torch.load(weights_only=True)`: tensors, containers and numbers only; a file that
+  asks to run code is refused with `CheckpointError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MANIFEST_FILE = "MANIFEST.json"
+_CHUNK = 1 << 20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, damaged or unsafe to load; the message names the file."""
+
+
+def fsync_dir(path: Path) -> None:
+    """Persist a directory's entries (a rename is durable only once its directory is synced)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write `text` to `path` through a synced temporary sibling and a rename."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def _fsync_tree(root: Path) -> None:
+    for file in sorted(p for p in root.rglob("*") if p.is_file()):
+        with open(file, "rb") as f:
+            os.fsync(f.fileno())
+
+
+def publish_dir(tmp: str | os.PathLike, final: str | os.PathLike) -> None:
+    """Make the complete directory `tmp` appear as `final` (replacing an existing one) after syncing it.
+
+    An existing `final` is moved aside first and removed after the rename, so a crash in between leaves
+    `final.old` and `tmp` (both ignored by readers), never a mix of the two versions.
+    """
+    tmp, final = Path(tmp), Path(final)
+    _fsync_tree(tmp)
+    old = final.with_name(final.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        os.rename(final, old)
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
+    """A fresh temporary sibling of `final` to fill; published as `final` on success, removed on error."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-"))
+    try:
+        yield tmp
+        publish_dir(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _manifest_entries(root: Path, directory: Path) -> dict[str, dict[str, Any]]:
+    entries = {}
+    for item in sorted(directory.iterdir()):
+        if item.is_dir() and (item / MANIFEST_FILE).is_file():  # covered by its own manifest
+            item = item / MANIFEST_FILE
+        elif item.is_dir():
+            entries.update(_manifest_entries(root, item))
+            continue
+        if item.is_file() and item != root / MANIFEST_FILE:
+            entries[item.relative_to(root).as_posix()] = {"size": item.stat().st_size, "sha256": _sha256(item)}
+    return entries
+
+
+def write_manifest(directory: str | os.PathLike) -> Path:
+    """Write `directory/MANIFEST.json` (size and sha256 of every file); call it after the last file."""
+    directory = Path(directory)
+    path = directory / MANIFEST_FILE
+    atomic_write_text(path, json.dumps({"files": _manifest_entries(directory, directory)}, indent=1))
+    return path
+
+
+def verify_manifest(directory: str | os.PathLike) -> None:
+    """Check every file against `directory/MANIFEST.json` (and nested manifests); raise CheckpointError."""
+    directory = Path(directory)
+    path = directory / MANIFEST_FILE
+    try:
+        files = json.loads(path.read_text())["files"]
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing: the checkpoint was not completely written") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{path} is not a valid manifest ({exc})") from None
+    for rel, expected in files.items():
+        file = directory / rel
+        if not file.is_file():
+            raise CheckpointError(f"{file} is missing (listed in {path})")
+        if file.stat().st_size != expected["size"]:
+            raise CheckpointError(f"{file} has {file.stat().st_size} bytes, the manifest says {expected['size']}")
+        if _sha256(file) != expected["sha256"]:
+            raise CheckpointError(f"{file} does not match its sha256 in {path}: the file was changed")
+        if file.name == MANIFEST_FILE:
+            verify_manifest(file.parent)
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's torch (CPU and CUDA) and Python RNG state, as tensors and plain types."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what `rng_state` returned (CUDA only where it was saved and is available)."""
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def load_tensors(path: str | os.PathLike) -> Any:
+    """`torch.load` that never runs code from the file (weights_only): tensors and plain types only."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
+    except Exception as exc:  # pickle.UnpicklingError for code, RuntimeError for a truncated zip
+        raise CheckpointError(f"{path} cannot be loaded safely (it holds something other than tensors and "
+                              f"plain values, or is damaged): {str(exc).splitlines()[0]}") from None
