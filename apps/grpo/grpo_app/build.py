@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from grpo_app.checkpoint import CheckpointManager
+from grpo_app.checkpoint import CheckpointManager, ResumePoint, check_identity, run_identity
 from grpo_app.cluster import Workers, start_ray
 from grpo_app.config import GRPOConfig
 from grpo_app.loop import Run
@@ -54,29 +54,42 @@ def load_inputs(cfg: GRPOConfig) -> RunInputs:
     return RunInputs(tokenizer=tokenizer, train=train, val=val)
 
 
-def build_run(cfg: GRPOConfig, inputs: RunInputs) -> Run:
-    checkpoints = None
-    if cfg.checkpointing.enabled:
-        checkpoints = CheckpointManager(cfg.checkpoint_dir, keep_top_k=cfg.checkpointing.keep_top_k,
-                                        metric=cfg.checkpointing.metric,
-                                        higher_is_better=cfg.checkpointing.higher_is_better)
-    resuming = checkpoints is not None and checkpoints.latest() is not None
-    sink = MetricsSink(cfg.logger.log_dir, tensorboard=cfg.logger.tensorboard, resume=resuming)
+def checkpoint_manager(cfg: GRPOConfig) -> CheckpointManager | None:
+    if not cfg.checkpointing.enabled:
+        return None
+    return CheckpointManager(cfg.checkpoint_dir, keep_top_k=cfg.checkpointing.keep_top_k,
+                             metric=cfg.checkpointing.metric, higher_is_better=cfg.checkpointing.higher_is_better)
+
+
+def find_resume_point(cfg: GRPOConfig) -> ResumePoint | None:
+    """The newest intact checkpoint of this run directory, checked against the config (before Ray starts).
+
+    CheckpointError when checkpoints exist but none verifies, or when the config changed the model, the
+    engine layout or the task (unless checkpointing.allow_config_change).
+    """
+    checkpoints = checkpoint_manager(cfg)
+    point = checkpoints.newest_intact() if checkpoints is not None else None
+    if point is not None:
+        check_identity(point, run_identity(cfg), allow_change=cfg.checkpointing.allow_config_change)
+    return point
+
+
+def build_run(cfg: GRPOConfig, inputs: RunInputs, resume_point: ResumePoint | None = None) -> Run:
+    sink = MetricsSink(cfg.logger.log_dir, tensorboard=cfg.logger.tensorboard,
+                       resume_step=resume_point.step if resume_point is not None else None)
+    checkpoints = checkpoint_manager(cfg)
     start_ray(cfg)
     workers = Workers(cfg)
     return Run(cfg=cfg, workers=workers, tokenizer=inputs.tokenizer, train_prompts=inputs.train,
                val_prompts=inputs.val, sink=sink, checkpoints=checkpoints, loss_fn=ClippedPGLoss(cfg.loss))
 
 
-def resume(run: Run) -> int:
-    """Load the latest checkpoint if there is one and push its weights to the generators; returns the step."""
-    latest = run.checkpoints.latest() if run.checkpoints is not None else None
-    if latest is None:  # generators loaded the same checkpoint as the policy: nothing to refit yet
+def resume(run: Run, point: ResumePoint | None) -> int:
+    """Load the verified checkpoint, if any, and push its weights to the generators; returns the step."""
+    if point is None:  # generators loaded the same checkpoint as the policy: nothing to refit yet
         return 0
-    state = run.checkpoints.load_state(latest)
-    run.workers.load_checkpoint(str(latest / "policy"))
-    run.train_prompts.load_state_dict(state["prompts"])
-    run.sink.truncate(state["step"] - 1)
+    run.workers.load_checkpoint(str(point.path / "policy"))
+    run.train_prompts.load_state_dict(point.state["prompts"])
     run.workers.refit()
-    logger.info("resumed from %s at step %d", latest, state["step"])
-    return state["step"]
+    logger.info("resumed from %s at step %d", point.path, point.step)
+    return point.step

@@ -1,23 +1,40 @@
-"""Run checkpoints: engine state plus the trainer's own state, written atomically, keep-top-k.
+"""Run checkpoints: engine state plus the trainer's own state, verified, written atomically, keep-top-k.
 
-A checkpoint is `<dir>/step_<N>/` holding `policy/` (written by the engines) and `trainer_state.json`
-(step, data position, RNG, metric history). It is assembled under `.step_<N>.tmp` and renamed when
-complete, so a killed run leaves either a whole checkpoint or none. Pruning keeps the `keep_top_k` best
-by the configured metric, and always the latest (the one a restart resumes from).
+A checkpoint is `<dir>/step_<N>/` holding `policy/` (written by the engines), `trainer_state.json`
+(step, data position, metric, the run's identity) and `MANIFEST.json` (size and sha256 of every file,
+written last; rl_core.checkpoint_io). It is assembled under a temporary name and renamed when complete,
+so a killed run leaves either a whole checkpoint or none. Resuming takes the newest checkpoint that
+verifies against its manifest: a damaged newer one is reported (naming the file) and skipped, and if
+none verifies the run stops with an error rather than starting over. Pruning keeps the `keep_top_k` best
+by the configured metric, and always the latest.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from rl_core.checkpoint_io import CheckpointError, atomic_dir, verify_manifest, write_manifest
 
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
+
+
+@dataclass
+class ResumePoint:
+    """The checkpoint a run continues from: its directory and its verified trainer state."""
+
+    path: Path
+    state: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.state["step"])
 
 
 class CheckpointManager:
@@ -25,44 +42,103 @@ class CheckpointManager:
         self.root, self.keep_top_k, self.metric, self.higher_is_better = Path(root), keep_top_k, metric, higher_is_better
 
     def steps(self) -> list[int]:
+        """Steps of every published checkpoint directory, intact or not, oldest first."""
         if not self.root.is_dir():
             return []
-        return sorted(int(p.name.split("_")[1]) for p in self.root.glob("step_*") if (p / STATE_FILE).is_file())
-
-    def latest(self) -> Path | None:
-        steps = self.steps()
-        return self.root / f"step_{steps[-1]}" if steps else None
+        names = (p.name for p in self.root.glob("step_*") if p.is_dir())
+        return sorted(int(name[5:]) for name in names if name[5:].isdigit())
 
     def save(self, step: int, save_engine: Any, state: dict[str, Any]) -> Path:
         """`save_engine(path)` writes the policy; `state` is the trainer's JSON-serialisable state."""
         final = self.root / f"step_{step}"
-        tmp = self.root / f".step_{step}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        save_engine(str(tmp / "policy"))
-        (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
+        for stale in self.root.glob(".step_*.tmp-*"):  # what a killed save left behind
+            shutil.rmtree(stale, ignore_errors=True)
+        with atomic_dir(final) as tmp:
+            save_engine(str(tmp / "policy"))
+            (tmp / STATE_FILE).write_text(json.dumps(state, indent=1, allow_nan=False))
+            write_manifest(tmp)
         logger.info("checkpoint saved: %s", final)
         self._prune()
         return final
 
     def load_state(self, path: Path) -> dict[str, Any]:
-        return json.loads((path / STATE_FILE).read_text())
+        file = path / STATE_FILE
+        try:
+            state = json.loads(file.read_text())
+        except FileNotFoundError:
+            raise CheckpointError(f"{file} is missing") from None
+        except ValueError as exc:
+            raise CheckpointError(f"{file} is not valid JSON ({exc})") from None
+        if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+            raise CheckpointError(f"{file} has no integer 'step'")
+        return state
+
+    def newest_intact(self) -> ResumePoint | None:
+        """The newest checkpoint that verifies (None if there is none at all); damaged ones are warned about.
+
+        Raises CheckpointError when checkpoints exist but none is intact: starting from step 0 would
+        silently overwrite the run's metrics.
+        """
+        damaged = []
+        for step in reversed(self.steps()):
+            path = self.root / f"step_{step}"
+            try:
+                verify_manifest(path)
+                return ResumePoint(path, self.load_state(path))
+            except CheckpointError as exc:
+                logger.warning("checkpoint %s is damaged and skipped: %s", path, exc)
+                damaged.append(f"{path.name}: {exc}")
+        if damaged:
+            raise CheckpointError(
+                f"no intact checkpoint in {self.root} ({'; '.join(damaged)}). Restore the files, or move the "
+                "run directory away (or set logger.log_dir) to start a new run")
+        return None
 
     def _score(self, step: int) -> float | None:
-        state = self.load_state(self.root / f"step_{step}")
-        value = state.get("checkpoint_metric")
+        try:
+            value = self.load_state(self.root / f"step_{step}").get("checkpoint_metric")
+        except CheckpointError:  # a damaged checkpoint ranks last
+            return None
         return None if value is None else (value if self.higher_is_better else -value)
 
     def _prune(self) -> None:
         steps = self.steps()
         if len(steps) <= self.keep_top_k:
             return
-        scored = sorted(steps, key=lambda s: (self._score(s) is not None, self._score(s) or 0.0, s), reverse=True)
+        scores = {s: self._score(s) for s in steps}
+        scored = sorted(steps, key=lambda s: (scores[s] is not None, scores[s] or 0.0, s), reverse=True)
         keep = set(scored[: self.keep_top_k]) | {steps[-1]}
         for step in steps:
             if step not in keep:
                 shutil.rmtree(self.root / f"step_{step}", ignore_errors=True)
                 logger.info("checkpoint pruned: step_%d (%s)", step, self.metric)
+
+
+def run_identity(cfg: Any) -> dict[str, Any]:
+    """What a checkpoint can only be resumed under: the model, the engine and its layout, the task."""
+    policy = cfg.policy
+    engine = policy.engine_name
+    section_name = "megatron_cfg" if engine == "megatron" else "dtensor_cfg"
+    section = getattr(policy, section_name, {}) or {}
+    identity = {"policy.model_name": policy.model_name, "policy.engine": engine,
+                "cluster.train_world_size": cfg.cluster.train_world_size, "env.name": cfg.env.name}
+    identity.update({f"policy.{section_name}.{key}": value for key, value in sorted(section.items())
+                     if key.endswith("parallel_size")})
+    return identity
+
+
+def check_identity(resume_point: ResumePoint, identity: dict[str, Any], *, allow_change: bool) -> None:
+    """Refuse to resume under a different model, engine layout or task unless explicitly allowed."""
+    saved = resume_point.state.get("identity", {})
+    changed = [f"{key}: checkpoint {saved.get(key)!r}, config {value!r}" for key, value in identity.items()
+               if saved.get(key, value) != value]
+    if not changed:
+        return
+    detail = "; ".join(changed)
+    if allow_change:
+        logger.warning("resuming %s under a changed config (checkpointing.allow_config_change=true): %s",
+                       resume_point.path, detail)
+        return
+    raise CheckpointError(
+        f"{resume_point.path} was written by a different run configuration ({detail}). Use the original "
+        "values, another logger.log_dir for a new run, or checkpointing.allow_config_change=true to resume anyway")

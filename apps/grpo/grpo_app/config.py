@@ -118,6 +118,8 @@ class CheckpointConfig:
     keep_top_k: int = 2
     metric: str = "val/reward_mean"
     higher_is_better: bool = True
+    # resume even if policy.model_name, the engine, its parallel layout or env.name differ from the checkpoint's
+    allow_config_change: bool = False
 
 
 @dataclass(kw_only=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-from grpo_app.checkpoint import CheckpointManager
+from grpo_app.checkpoint import CheckpointManager, run_identity
 from grpo_app.cluster import Workers
 from grpo_app.config import GRPOConfig
 from grpo_app.metrics_sink import MetricsSink
@@ -189,31 +190,46 @@ def validate(run: Run, step: int) -> dict[str, float]:
 
 
 def trainer_state(run: Run, step: int, metric: float | None) -> dict[str, Any]:
-    return {"step": step, "prompts": run.train_prompts.state_dict(), "checkpoint_metric": metric}
+    metric = metric if metric is not None and math.isfinite(metric) else None
+    return {"step": step, "prompts": run.train_prompts.state_dict(), "checkpoint_metric": metric,
+            "identity": run_identity(run.cfg)}
 
 
 def train(run: Run, start_step: int = 0) -> None:
-    """The outer loop: validate, step, log, checkpoint."""
+    """The outer loop: validate, step, log, checkpoint.
+
+    Validation of step s (the weights after s steps) is logged with step s's record. A checkpoint of step
+    s is scored with that same validation, so when one is due the validation runs before it is written
+    (and is reused by the next iteration: greedy and seeded by the step, it is what it would compute).
+    """
     cfg = run.cfg.grpo
     from tqdm import tqdm
 
     bar = tqdm(range(start_step, cfg.max_steps), initial=start_step, total=cfg.max_steps, desc="GRPO",
                disable=not run.cfg.logger.progress_bar)
-    last_val: dict[str, float] = {}
+    validated: dict[int, dict[str, float]] = {}
+
+    def validation(step: int) -> dict[str, float]:
+        if step not in validated:
+            validated.clear()
+            validated[step] = validate(run, step)
+        return validated[step]
+
+    def due(step: int) -> bool:
+        return bool(cfg.val_every) and (step % cfg.val_every == 0 or step == cfg.max_steps)
+
     if on_policy(run.cfg, cfg.num_prompts_per_step * cfg.num_generations_per_prompt):
         logger.info("one optimizer step per batch (on-policy): prev logprobs come from the training forward")
     for step in bar:
-        metrics = {}
-        if cfg.val_every and step % cfg.val_every == 0:
-            last_val = metrics = validate(run, step)
+        metrics = dict(validation(step)) if due(step) else {}
         metrics.update(grpo_step(run, step))
         run.sink.log(step, metrics)
         bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}", loss=f"{metrics.get('train/loss', 0):.2e}")
         done = step + 1 == cfg.max_steps
         if done and cfg.val_every:
-            last_val = validate(run, step + 1)
-            run.sink.log(step + 1, last_val)
+            run.sink.log(step + 1, validation(step + 1))
         ckpt = run.cfg.checkpointing
         if run.checkpoints is not None and ((step + 1) % ckpt.save_every == 0 or done):
-            metric = last_val.get(ckpt.metric, metrics.get(ckpt.metric))
+            val = validation(step + 1) if due(step + 1) else {}
+            metric = val.get(ckpt.metric, metrics.get(ckpt.metric))
             run.checkpoints.save(step + 1, run.workers.save_checkpoint, trainer_state(run, step + 1, metric))

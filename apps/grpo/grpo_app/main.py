@@ -12,7 +12,8 @@ from pathlib import Path
 
 import yaml
 
-from grpo_app.build import RunInputs, load_inputs
+from grpo_app.build import RunInputs, find_resume_point, load_inputs
+from grpo_app.checkpoint import ResumePoint
 from grpo_app.config import GRPOConfig, load_config
 from grpo_app.preflight import preflight
 from rl_core.config import ConfigError, to_dict
@@ -28,19 +29,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def run_training(cfg: GRPOConfig, inputs: RunInputs) -> dict[str, float]:
-    """Build the workers and run the loop; returns the final validation metrics."""
+def run_training(cfg: GRPOConfig, inputs: RunInputs, resume_point: ResumePoint | None = None) -> dict[str, float]:
+    """Build the workers and run the loop (from `resume_point` if given); returns the final validation metrics."""
     from grpo_app.build import build_run, resume
 
     log_dir = Path(cfg.logger.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     (log_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     logger.info("resolved config (saved to %s):\n%s", log_dir / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    run = build_run(cfg, inputs)
+    run = build_run(cfg, inputs, resume_point)
     try:
         from grpo_app.loop import train
 
-        train(run, start_step=resume(run))
+        train(run, start_step=resume(run, resume_point))
         if cfg.logger.plot:
             logger.info("plot: %s", run.sink.plot(log_dir / "summary.png"))
         logger.info("summary:\n%s", run.sink.summary())
@@ -57,8 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     try:  # everything a run reads is checked here, before Ray or any worker starts
         cfg = preflight(load_config(args.config, args.overrides))
         inputs = load_inputs(cfg)
-    except (ConfigError, FileNotFoundError, ValueError) as exc:
+        resume_point = find_resume_point(cfg)
+    except (ConfigError, FileNotFoundError, ValueError) as exc:  # CheckpointError is a ValueError
         logger.error("%s", exc)
         return 2
-    run_training(cfg, inputs)
+    run_training(cfg, inputs, resume_point)
     return 0

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
+
+from rl_core.checkpoint_io import atomic_write_text
 
 logger = logging.getLogger(__name__)
 
@@ -16,38 +19,43 @@ PHASES = ("generate", "reward", "logprobs", "train", "refit")
 
 
 class MetricsSink:
-    def __init__(self, log_dir: Path, *, tensorboard: bool, resume: bool) -> None:
+    """`resume_step`: the step a resumed run continues from (None: a new run).
+
+    On resume, records from `resume_step` on are dropped from metrics.jsonl (the run repeats them) and
+    TensorBoard purges its events from that step (a new event file whose first event is a restart at
+    `resume_step`; readers hide the older events at or after it), so no step is shown twice. Records
+    are strict JSON: a NaN or infinite value is written as null.
+    """
+
+    def __init__(self, log_dir: Path, *, tensorboard: bool, resume_step: int | None) -> None:
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = self.log_dir / "metrics.jsonl"
         self.history: list[dict[str, Any]] = []
-        if resume and self.jsonl_path.exists():
-            self.history = [json.loads(line) for line in self.jsonl_path.read_text().splitlines() if line]
+        if resume_step is not None and self.jsonl_path.exists():
+            self.history = [r for r in read_jsonl(self.jsonl_path) if r["step"] < resume_step]
         elif self.jsonl_path.exists():
-            self.jsonl_path.unlink()
+            logger.warning("%s is from a run without a checkpoint to resume from: starting it again",
+                           self.jsonl_path)
+        atomic_write_text(self.jsonl_path, "".join(_json_line(r) for r in self.history))
         self.writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(str(self.log_dir / "tensorboard"))
-
-    def truncate(self, last_step: int) -> None:
-        """Forget records after `last_step` (a resumed run repeats them)."""
-        self.history = [r for r in self.history if r["step"] <= last_step]
-        self.jsonl_path.write_text("".join(json.dumps(r) + "\n" for r in self.history))
+            self.writer = SummaryWriter(str(self.log_dir / "tensorboard"), purge_step=resume_step or 0)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        record = {"step": step, **{k: _finite_or_none(v) for k, v in metrics.items()}}
         self.history.append(record)
         with self.jsonl_path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(_json_line(record))
         if self.writer is not None:
             for key, value in metrics.items():
                 self.writer.add_scalar(key, float(value), step)
             self.writer.flush()
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
-        points = [(r["step"], r[key]) for r in self.history if key in r]
+        points = [(r["step"], r[key]) for r in self.history if r.get(key) is not None]
         return [p[0] for p in points], [p[1] for p in points]
 
     def plot(self, path: Path) -> Path:
@@ -98,3 +106,30 @@ class MetricsSink:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def _finite_or_none(value: float) -> float | None:
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def _json_line(record: dict[str, Any]) -> str:
+    return json.dumps(record, allow_nan=False) + "\n"
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Records of a metrics.jsonl; a torn last line (a write cut by a kill) is dropped with a warning."""
+    lines = path.read_text().split("\n")
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line:
+            continue
+        try:
+            records.append(json.loads(line))
+        except ValueError as exc:
+            if number == len(lines):  # no newline after it: the last write did not finish
+                logger.warning("%s:%d is an incomplete record (the run was killed while writing it); dropped",
+                               path, number)
+                continue
+            raise ValueError(f"{path}:{number} is not a JSON record ({exc}); fix or delete that line") from None
+    return records

@@ -165,3 +165,33 @@ def test_checkpoint_reshards_from_two_ranks_to_one(ckpt, tmp_path) -> None:
     saved = run_distributed(_save_or_load, 2, args=(path, batch, ckpt_dir, True))[0]
     loaded = run_distributed(_save_or_load, 1, args=(path, batch, ckpt_dir, False))[0]
     assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
+
+
+class _MarkerPayload:
+    """A pickle that, when unpickled, creates a file: what a hostile extra_rank0.pt would hold."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _load_tampered(rank: int, world: int, path: str, ckpt_dir: str, marker: str) -> str:
+    from rl_core.checkpoint_io import CheckpointError, write_manifest
+
+    engine = DTensorEngine(make_policy(path))
+    engine.save_checkpoint(ckpt_dir)
+    torch.save({"scheduler": {}, "rng": _MarkerPayload(marker)}, f"{ckpt_dir}/extra_rank0.pt")
+    with pytest.raises(CheckpointError, match="extra_rank0.pt"):  # the manifest catches the edit first
+        engine.load_checkpoint(ckpt_dir)
+    write_manifest(ckpt_dir)  # an attacker who also rewrites the manifest: weights_only still refuses
+    with pytest.raises(CheckpointError, match="extra_rank0.pt cannot be loaded safely") as info:
+        engine.load_checkpoint(ckpt_dir)
+    return str(info.value)
+
+
+def test_crafted_pickle_in_extra_state_never_runs(ckpt, tmp_path) -> None:
+    marker = tmp_path / "payload_ran"
+    message = run_distributed(_load_tampered, 1, args=(ckpt("llama"), str(tmp_path / "ckpt"), str(marker)))[0]
+    assert not marker.exists(), message

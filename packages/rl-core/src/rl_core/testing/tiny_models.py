@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import string
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from rl_core.checkpoint_io import atomic_dir
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe")
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
@@ -99,18 +99,11 @@ def save_tiny_checkpoint(path: str | os.PathLike, arch: str = "qwen2", *, seed: 
     path = Path(path)
     model = build_tiny_model(arch, seed=seed, **overrides)
     tokenizer = build_tokenizer()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp"))
-    try:
+    with atomic_dir(path) as tmp:
         kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
         model.save_pretrained(tmp, **kwargs)
         tokenizer.save_pretrained(tmp)
         (tmp / "tiny_model.json").write_text(json.dumps({"arch": arch, "seed": seed, **overrides}))
-        if path.exists():
-            shutil.rmtree(path)
-        os.rename(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 

@@ -1,0 +1,208 @@
+"""Resume safety (issue 17): damaged checkpoints fall back to the newest intact one, a run directory is
+never silently reset, config changes are refused, metrics and TensorBoard are trimmed, keep-top-k scores
+each checkpoint with its own validation."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import grpo_app.loop as loop
+from grpo_app.checkpoint import CheckpointManager, ResumePoint, check_identity, run_identity
+from grpo_app.config import load_config
+from grpo_app.metrics_sink import MetricsSink, read_jsonl
+from rl_core.checkpoint_io import CheckpointError, write_manifest
+
+
+def fake_engine_save(path: str) -> None:
+    """The files a one-rank DTensor engine checkpoint holds, with the engine's own manifest."""
+    policy = Path(path)
+    policy.mkdir(parents=True)
+    (policy / "__0_0.distcp").write_bytes(bytes(range(256)) * 8)
+    (policy / ".metadata").write_bytes(b"dcp-metadata" * 10)
+    torch.save({"scheduler": {"last_epoch": 1}, "rng": {"torch": torch.get_rng_state()}}, policy / "extra_rank0.pt")
+    write_manifest(policy)
+
+
+def save_two(root: Path) -> CheckpointManager:
+    manager = CheckpointManager(root, keep_top_k=5, metric="m", higher_is_better=True)
+    for step in (1, 2):
+        manager.save(step, fake_engine_save, {"step": step, "checkpoint_metric": None})
+    return manager
+
+
+def delete(file: Path) -> None:
+    file.unlink()
+
+
+def truncate(file: Path) -> None:
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+
+
+def flip_byte(file: Path) -> None:
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+def corrupt_json(file: Path) -> None:
+    file.write_text(file.read_text()[:-3] + "}}")  # same kind of damage a torn write leaves
+
+
+DAMAGES = [(rel, damage) for rel in ("policy/__0_0.distcp", "policy/.metadata", "policy/extra_rank0.pt",
+                                     "trainer_state.json")
+           for damage in (delete, truncate, flip_byte)]
+DAMAGES += [("trainer_state.json", corrupt_json), ("MANIFEST.json", delete), ("policy/MANIFEST.json", delete)]
+
+
+@pytest.mark.parametrize(("rel", "damage"), DAMAGES, ids=[f"{d.__name__}-{r}" for r, d in DAMAGES])
+def test_damaged_latest_checkpoint_falls_back_to_newest_intact(tmp_path, caplog, rel, damage):
+    manager = save_two(tmp_path)
+    damage(tmp_path / "step_2" / rel)
+    with caplog.at_level(logging.WARNING):
+        point = manager.newest_intact()
+    assert point.path == tmp_path / "step_1" and point.step == 1
+    warning = "\n".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert "step_2" in warning and Path(rel).name in warning
+
+
+def test_no_intact_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
+    manager = save_two(tmp_path)
+    delete(tmp_path / "step_1/trainer_state.json")
+    truncate(tmp_path / "step_2/policy/__0_0.distcp")
+    with pytest.raises(CheckpointError, match="no intact checkpoint.*step_2.*__0_0.distcp.*step_1.*trainer_state"):
+        manager.newest_intact()
+
+
+def test_empty_run_directory_starts_fresh_and_leftover_temp_dirs_are_not_checkpoints(tmp_path):
+    manager = CheckpointManager(tmp_path, keep_top_k=2, metric="m", higher_is_better=True)
+    assert manager.newest_intact() is None
+    (tmp_path / ".step_3.tmp-abc/policy").mkdir(parents=True)  # what a kill mid-save leaves
+    (tmp_path / "step_3.old").mkdir()
+    assert manager.steps() == [] and manager.newest_intact() is None
+    manager.save(4, fake_engine_save, {"step": 4})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_3.old", "step_4"]
+
+
+def test_failed_save_leaves_no_checkpoint(tmp_path):
+    manager = CheckpointManager(tmp_path, keep_top_k=2, metric="m", higher_is_better=True)
+
+    def crash(path: str) -> None:
+        Path(path).mkdir()
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        manager.save(1, crash, {"step": 1})
+    assert manager.newest_intact() is None and list(tmp_path.iterdir()) == []
+
+
+def test_keep_top_k_by_metric_and_always_the_latest(tmp_path):
+    manager = CheckpointManager(tmp_path, keep_top_k=2, metric="val/reward_mean", higher_is_better=True)
+    for step, metric in [(1, 0.5), (2, 0.9), (3, 0.1), (4, 0.7), (5, 0.2)]:
+        manager.save(step, fake_engine_save, {"step": step, "checkpoint_metric": metric})
+    assert manager.steps() == [2, 4, 5]  # best two (0.9, 0.7) plus the latest
+    assert manager.newest_intact().step == 5
+
+
+def config(*overrides: str):
+    return load_config(None, ["policy.model_name=tiny:qwen2", *overrides])
+
+
+@pytest.mark.parametrize("override", ["policy.model_name=tiny:llama", "env.name=math",
+                                      "policy.megatron_cfg.enabled=true", "cluster.train_world_size=2",
+                                      "policy.dtensor_cfg.tensor_parallel_size=2"])
+def test_resume_with_changed_model_engine_layout_or_task_is_refused(override):
+    point = ResumePoint(Path("run/checkpoints/step_3"), {"step": 3, "identity": run_identity(config())})
+    changed = run_identity(config(override))
+    key = override.split("=")[0]
+    if key.startswith("policy.megatron"):
+        key = "policy.engine"
+    with pytest.raises(CheckpointError, match=rf"{key}.*allow_config_change=true"):
+        check_identity(point, changed, allow_change=False)
+    check_identity(point, changed, allow_change=True)  # the explicit override resumes
+    check_identity(point, run_identity(config()), allow_change=False)  # unchanged: fine
+
+
+def test_torn_last_metrics_line_is_dropped_with_a_warning(tmp_path, caplog):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0, "a": 1.0}\n{"step": 1, "a": 2.0}\n{"step": 2, "a"')
+    with caplog.at_level(logging.WARNING):
+        assert read_jsonl(path) == [{"step": 0, "a": 1.0}, {"step": 1, "a": 2.0}]
+    assert "metrics.jsonl:3" in caplog.text
+    path.write_text('{"step": 0}\n{"step": 1, "a"\n{"step": 2}\n')  # damage in the middle is not a torn write
+    with pytest.raises(ValueError, match="metrics.jsonl:2"):
+        read_jsonl(path)
+
+
+def strict_json(line: str) -> dict:
+    def refuse(constant: str):
+        raise AssertionError(f"non-standard JSON constant {constant}")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_metrics_are_strict_json_and_resume_drops_repeated_steps(tmp_path):
+    sink = MetricsSink(tmp_path, tensorboard=False, resume_step=None)
+    for step in range(4):
+        sink.log(step, {"loss": float(step), "acc": float("nan") if step == 1 else 0.5, "big": float("inf")})
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 4, "lo')  # killed mid-write
+    records = [strict_json(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()[:4]]
+    assert records[1] == {"step": 1, "loss": 1.0, "acc": None, "big": None}
+    resumed = MetricsSink(tmp_path, tensorboard=False, resume_step=2)
+    assert [r["step"] for r in resumed.history] == [0, 1]
+    assert [strict_json(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+    assert resumed.series("acc") == ([0], [0.5])
+
+
+def test_tensorboard_events_past_the_resume_step_are_not_duplicated(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = MetricsSink(tmp_path, tensorboard=True, resume_step=None)
+    for step in range(5):
+        first.log(step, {"loss": 100.0 + step})
+    first.close()
+    resumed = MetricsSink(tmp_path, tensorboard=True, resume_step=3)
+    for step in range(3, 6):
+        resumed.log(step, {"loss": 200.0 + step})
+    resumed.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    got = [(e.step, e.value) for e in events.Scalars("loss")]
+    assert got == [(0, 100.0), (1, 101.0), (2, 102.0), (3, 203.0), (4, 204.0), (5, 205.0)]
+
+
+def test_each_checkpoint_is_scored_with_its_own_steps_validation(tmp_path, monkeypatch):
+    val_by_step = {0: 0.1, 2: 0.9, 4: 0.2, 6: 0.5}  # not monotonic: a stale score ranks differently
+    monkeypatch.setattr(loop, "validate", lambda run, step: {"val/reward_mean": val_by_step[step]})
+    monkeypatch.setattr(loop, "grpo_step", lambda run, step: {"rollout/reward_mean": 0.0})
+    cfg = config("grpo.max_steps=6", "grpo.val_every=2", "checkpointing.save_every=2",
+                 "checkpointing.keep_top_k=1", "logger.progress_bar=false")
+    manager = CheckpointManager(tmp_path / "ckpt", keep_top_k=1, metric="val/reward_mean", higher_is_better=True)
+    scores = {}
+
+    def save(path: str) -> None:
+        fake_engine_save(path)
+
+    run = SimpleNamespace(cfg=cfg, workers=SimpleNamespace(save_checkpoint=save),
+                          sink=MetricsSink(tmp_path, tensorboard=False, resume_step=None), checkpoints=manager,
+                          train_prompts=SimpleNamespace(state_dict=lambda: {}))
+    real_save = manager.save
+
+    def recording_save(step, save_engine, state):
+        scores[step] = state["checkpoint_metric"]
+        return real_save(step, save_engine, state)
+
+    manager.save = recording_save
+    loop.train(run)
+    assert scores == {2: 0.9, 4: 0.2, 6: 0.5}
+    assert manager.steps() == [2, 6]  # the best (val@2 = 0.9) and the latest
+    logged = [(r["step"], r["val/reward_mean"]) for r in run.sink.history if "val/reward_mean" in r]
+    assert logged == [(0, 0.1), (2, 0.9), (4, 0.2), (6, 0.5)]  # each validation once, at its own step
+    assert all(math.isfinite(v) for _, v in logged)

@@ -1,0 +1,73 @@
+"""Atomic writes, the checksum manifest, RNG state round trip, and loading without running pickle code."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from rl_core.checkpoint_io import (
+    CheckpointError,
+    atomic_dir,
+    atomic_write_text,
+    load_tensors,
+    rng_state,
+    set_rng_state,
+    verify_manifest,
+    write_manifest,
+)
+
+
+class MarkerPayload:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_crafted_pickle_is_refused_and_never_runs(tmp_path):
+    marker = tmp_path / "payload_ran"
+    torch.save({"rng": MarkerPayload(str(marker))}, tmp_path / "extra_rank0.pt")
+    with pytest.raises(CheckpointError, match="extra_rank0.pt cannot be loaded safely"):
+        load_tensors(tmp_path / "extra_rank0.pt")
+    assert not marker.exists()
+
+
+def test_rng_state_round_trips_through_a_weights_only_file(tmp_path):
+    torch.manual_seed(3)
+    random.seed(4)
+    torch.save(rng_state(), tmp_path / "rng.pt")
+    want = (torch.rand(5), random.random())
+    set_rng_state(load_tensors(tmp_path / "rng.pt"))
+    assert torch.equal(torch.rand(5), want[0]) and random.random() == want[1]
+
+
+def test_manifest_names_the_damaged_file_and_covers_nested_manifests(tmp_path):
+    (tmp_path / "policy").mkdir()
+    (tmp_path / "policy/shard.bin").write_bytes(b"abc" * 100)
+    write_manifest(tmp_path / "policy")
+    (tmp_path / "state.json").write_text("{}")
+    write_manifest(tmp_path)
+    verify_manifest(tmp_path)
+    (tmp_path / "policy/shard.bin").write_bytes(b"abd" * 100)  # same size, other bytes
+    with pytest.raises(CheckpointError, match="shard.bin does not match its sha256"):
+        verify_manifest(tmp_path)
+    (tmp_path / "policy/shard.bin").write_bytes(b"ab")
+    with pytest.raises(CheckpointError, match="shard.bin has 2 bytes"):
+        verify_manifest(tmp_path)
+    (tmp_path / "MANIFEST.json").unlink()
+    with pytest.raises(CheckpointError, match="MANIFEST.json is missing"):
+        verify_manifest(tmp_path)
+
+
+def test_atomic_dir_publishes_whole_or_nothing(tmp_path):
+    with atomic_dir(tmp_path / "out") as tmp:
+        (tmp / "a").write_text("1")
+    with pytest.raises(RuntimeError), atomic_dir(tmp_path / "out") as tmp:
+        (tmp / "a").write_text("2")
+        raise RuntimeError("killed")
+    assert (tmp_path / "out/a").read_text() == "1" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    atomic_write_text(tmp_path / "f.txt", "x")
+    assert (tmp_path / "f.txt").read_text() == "x" and len(list(tmp_path.iterdir())) == 2
