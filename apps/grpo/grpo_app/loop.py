@@ -221,8 +221,9 @@ def train(run: Run, start_step: int = 0) -> None:
     if on_policy(run.cfg, cfg.num_prompts_per_step * cfg.num_generations_per_prompt):
         logger.info("one optimizer step per batch (on-policy): prev logprobs come from the training forward")
     for step in bar:
-        metrics = dict(validation(step)) if due(step) else {}
-        metrics.update(grpo_step(run, step))
+        val = validation(step) if due(step) else {}  # the weights before this step's update
+        step_metrics = grpo_step(run, step)
+        metrics = {**val, **step_metrics}
         run.sink.log(step, metrics)
         bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}", loss=f"{metrics.get('train/loss', 0):.2e}")
         done = step + 1 == cfg.max_steps
@@ -230,6 +231,6 @@ def train(run: Run, start_step: int = 0) -> None:
             run.sink.log(step + 1, validation(step + 1))
         ckpt = run.cfg.checkpointing
         if run.checkpoints is not None and ((step + 1) % ckpt.save_every == 0 or done):
-            val = validation(step + 1) if due(step + 1) else {}
-            metric = val.get(ckpt.metric, metrics.get(ckpt.metric))
+            own_val = validation(step + 1) if due(step + 1) else {}  # no validation of its own: no score
+            metric = own_val[ckpt.metric] if ckpt.metric in own_val else step_metrics.get(ckpt.metric)
             run.checkpoints.save(step + 1, run.workers.save_checkpoint, trainer_state(run, step + 1, metric))

@@ -182,7 +182,7 @@ def test_each_checkpoint_is_scored_with_its_own_steps_validation(tmp_path, monke
     val_by_step = {0: 0.1, 2: 0.9, 4: 0.2, 6: 0.5}  # not monotonic: a stale score ranks differently
     monkeypatch.setattr(loop, "validate", lambda run, step: {"val/reward_mean": val_by_step[step]})
     monkeypatch.setattr(loop, "grpo_step", lambda run, step: {"rollout/reward_mean": 0.0})
-    cfg = config("grpo.max_steps=6", "grpo.val_every=2", "checkpointing.save_every=2",
+    cfg = config("grpo.max_steps=6", "grpo.val_every=2", "checkpointing.save_every=1",
                  "checkpointing.keep_top_k=1", "logger.progress_bar=false")
     manager = CheckpointManager(tmp_path / "ckpt", keep_top_k=1, metric="val/reward_mean", higher_is_better=True)
     scores = {}
@@ -201,7 +201,7 @@ def test_each_checkpoint_is_scored_with_its_own_steps_validation(tmp_path, monke
 
     manager.save = recording_save
     loop.train(run)
-    assert scores == {2: 0.9, 4: 0.2, 6: 0.5}
+    assert scores == {1: None, 2: 0.9, 3: None, 4: 0.2, 5: None, 6: 0.5}
     assert manager.steps() == [2, 6]  # the best (val@2 = 0.9) and the latest
     logged = [(r["step"], r["val/reward_mean"]) for r in run.sink.history if "val/reward_mean" in r]
     assert logged == [(0, 0.1), (2, 0.9), (4, 0.2), (6, 0.5)]  # each validation once, at its own step
