@@ -103,3 +103,65 @@ def test_default_run_learns_within_ten_minutes(tmp_path):
     assert elapsed <= 600, f"the default run took {elapsed:.0f} s (budget 600 s)"
     assert "validation reward:" in proc.stderr and "refit" in proc.stderr  # the summary table
     assert (tmp_path / "run/summary.png").stat().st_size > 0
+
+
+def _comparable(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith("timing/") and "per_s" not in k} for r in records]
+
+
+def _kill_when(proc: subprocess.Popen, ckpt_dir: Path, mid_write: bool, delay: float, deadline: float) -> bool:
+    """SIGKILL the run's process group once a checkpoint is being written (mid_write) or a new one exists,
+    after `delay` seconds; False if the run ended first."""
+    before = {p.name for p in ckpt_dir.glob("step_*")} if ckpt_dir.is_dir() else set()
+    while proc.poll() is None:
+        assert time.time() < deadline, "the kill-and-resume test ran out of time"
+        writing = ckpt_dir.is_dir() and any(ckpt_dir.glob(".step_*.tmp-*"))
+        new = ckpt_dir.is_dir() and {p.name for p in ckpt_dir.glob("step_*")} - before
+        if (writing if mid_write else new):
+            time.sleep(delay)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return True
+        time.sleep(0.01)
+    return False
+
+
+@pytest.mark.slow
+def test_kill_at_random_points_then_resume_matches_the_uninterrupted_run(tmp_path):
+    """kill -9 of the whole run 5 times (alternately mid-checkpoint-write and mid-step), resuming each time:
+    no published checkpoint is ever incomplete, each resume loads the newest intact one, and the final
+    metrics equal the uninterrupted run's."""
+    import random
+
+    from rl_core.checkpoint_io import verify_manifest
+
+    overrides = ["grpo.max_steps=4", "grpo.val_every=2", "checkpointing.save_every=1", "checkpointing.keep_top_k=2",
+                 "env.num_workers=0", "generation.in_policy_workers=true"]
+    reference = _comparable(run_grpo(tmp_path / "uninterrupted", *overrides))
+    log_dir, ckpt_dir = tmp_path / "killed", tmp_path / "killed/checkpoints"
+    env = {**os.environ, "RL_STACK_CACHE": str(tmp_path / "cache")}
+    rng = random.Random(int(time.time()))
+    deadline = time.time() + 900
+    kills = 0
+    for cycle in range(5):
+        with open(tmp_path / f"cycle{cycle}.log", "w") as log:
+            proc = subprocess.Popen(grpo_command(log_dir, *overrides), cwd=ROOT, env=env, stdout=log, stderr=log,
+                                    start_new_session=True)
+            mid_write = cycle % 2 == 0
+            killed = _kill_when(proc, ckpt_dir, mid_write, rng.uniform(0.0, 0.05 if mid_write else 1.5), deadline)
+        kills += killed
+        for step_dir in ckpt_dir.glob("step_*"):  # every published checkpoint is whole
+            verify_manifest(step_dir)
+        if not killed:
+            break
+    resumed_log = tmp_path / "final.log"
+    newest = max((int(p.name[5:]) for p in ckpt_dir.glob("step_*")), default=None)
+    with open(resumed_log, "w") as log:
+        proc = subprocess.run(grpo_command(log_dir, *overrides), cwd=ROOT, env=env, stdout=log, stderr=log,
+                              timeout=600)
+    text = resumed_log.read_text()
+    assert proc.returncode == 0, text[-6000:]
+    if newest is not None:
+        assert f"resumed from {ckpt_dir}/step_{newest} at step {newest}" in text
+    assert kills >= 3, f"only {kills} of 5 runs were killed before they ended"
+    assert _comparable(read_metrics(log_dir)) == reference

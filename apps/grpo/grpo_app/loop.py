@@ -218,6 +218,8 @@ def train(run: Run, start_step: int = 0) -> None:
     def due(step: int) -> bool:
         return bool(cfg.val_every) and (step % cfg.val_every == 0 or step == cfg.max_steps)
 
+    if start_step == cfg.max_steps and cfg.val_every:  # a finished run resumed: the sink dropped its last record
+        run.sink.log(start_step, validation(start_step))
     if on_policy(run.cfg, cfg.num_prompts_per_step * cfg.num_generations_per_prompt):
         logger.info("one optimizer step per batch (on-policy): prev logprobs come from the training forward")
     for step in bar:

@@ -178,21 +178,20 @@ def test_tensorboard_events_past_the_resume_step_are_not_duplicated(tmp_path):
     assert got == [(0, 100.0), (1, 101.0), (2, 102.0), (3, 203.0), (4, 204.0), (5, 205.0)]
 
 
+def stub_run(tmp_path, manager, *overrides: str) -> SimpleNamespace:
+    return SimpleNamespace(cfg=config(*overrides, "logger.progress_bar=false"),
+                           workers=SimpleNamespace(save_checkpoint=fake_engine_save),
+                           sink=MetricsSink(tmp_path, tensorboard=False, resume_step=None), checkpoints=manager,
+                           train_prompts=SimpleNamespace(state_dict=lambda: {}))
+
+
 def test_each_checkpoint_is_scored_with_its_own_steps_validation(tmp_path, monkeypatch):
     val_by_step = {0: 0.1, 2: 0.9, 4: 0.2, 6: 0.5}  # not monotonic: a stale score ranks differently
     monkeypatch.setattr(loop, "validate", lambda run, step: {"val/reward_mean": val_by_step[step]})
     monkeypatch.setattr(loop, "grpo_step", lambda run, step: {"rollout/reward_mean": 0.0})
-    cfg = config("grpo.max_steps=6", "grpo.val_every=2", "checkpointing.save_every=1",
-                 "checkpointing.keep_top_k=1", "logger.progress_bar=false")
     manager = CheckpointManager(tmp_path / "ckpt", keep_top_k=1, metric="val/reward_mean", higher_is_better=True)
+    run = stub_run(tmp_path, manager, "grpo.max_steps=6", "grpo.val_every=2", "checkpointing.save_every=1")
     scores = {}
-
-    def save(path: str) -> None:
-        fake_engine_save(path)
-
-    run = SimpleNamespace(cfg=cfg, workers=SimpleNamespace(save_checkpoint=save),
-                          sink=MetricsSink(tmp_path, tensorboard=False, resume_step=None), checkpoints=manager,
-                          train_prompts=SimpleNamespace(state_dict=lambda: {}))
     real_save = manager.save
 
     def recording_save(step, save_engine, state):
@@ -206,3 +205,10 @@ def test_each_checkpoint_is_scored_with_its_own_steps_validation(tmp_path, monke
     logged = [(r["step"], r["val/reward_mean"]) for r in run.sink.history if "val/reward_mean" in r]
     assert logged == [(0, 0.1), (2, 0.9), (4, 0.2), (6, 0.5)]  # each validation once, at its own step
     assert all(math.isfinite(v) for _, v in logged)
+
+
+def test_resuming_a_finished_run_logs_its_final_validation_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(loop, "validate", lambda run, step: {"val/reward_mean": step / 10})
+    run = stub_run(tmp_path, None, "grpo.max_steps=4", "grpo.val_every=2")
+    loop.train(run, start_step=4)
+    assert run.sink.history == [{"step": 4, "val/reward_mean": 0.4}]
