@@ -25,14 +25,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from engine_dtensor.parallelize import hf_name
-from rl_core.checkpoint_io import (
-    load_tensors,
-    publish_dir,
-    rng_state,
-    set_rng_state,
-    verify_manifest,
-    write_manifest,
-)
+from rl_core import checkpoint_io
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +54,8 @@ def _prepare_tmp(path: str) -> Path:
 def _commit(tmp: Path, path: str) -> None:
     _barrier()  # every rank has finished writing
     if _rank() == 0:
-        write_manifest(tmp)  # last: its presence says the directory is complete
-        publish_dir(tmp, path)
+        checkpoint_io.write_manifest(tmp)  # last: its presence says the directory is complete
+        checkpoint_io.publish_dir(tmp, path)
     _barrier()
 
 
@@ -71,7 +64,7 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     tmp = _prepare_tmp(path)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-    extra = {"scheduler": scheduler.state_dict(), "rng": rng_state()}
+    extra = {"scheduler": scheduler.state_dict(), "rng": checkpoint_io.rng_state()}
     torch.save(extra, tmp / f"extra_rank{_rank()}.pt")
     _commit(tmp, path)
     logger.info("saved checkpoint %s", path)
@@ -81,7 +74,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     """Restore what `save_checkpoint` wrote (resharding to this run's layout if it differs)."""
     if not (Path(path) / ".metadata").exists():
         raise ValueError(f"{path!r} is not a DTensor engine checkpoint (no DCP .metadata file in it)")
-    verify_manifest(path)  # before dcp.load, which unpickles .metadata
+    checkpoint_io.verify_manifest(path)  # before dcp.load, which unpickles .metadata
     model_sd, optim_sd = get_state_dict(model, optimizer)  # the target layout, incl. empty optimizer state
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
@@ -90,9 +83,9 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     if not extra_file.exists():  # loaded at a larger world size: ranks without a file reuse rank 0's RNG
         logger.warning("%s not found (checkpoint from fewer ranks); using rank 0's RNG state", extra_file)
         extra_file = Path(path) / "extra_rank0.pt"
-    extra = load_tensors(extra_file)
+    extra = checkpoint_io.load_tensors(extra_file)
     scheduler.load_state_dict(extra["scheduler"])
-    set_rng_state(extra["rng"])
+    checkpoint_io.set_rng_state(extra["rng"])
     logger.info("loaded checkpoint %s", path)
 
 

@@ -21,14 +21,7 @@ import torch.distributed as dist
 
 from engine_megatron.compat import device_context
 from engine_megatron.model import gpt_model
-from rl_core.checkpoint_io import (
-    load_tensors,
-    publish_dir,
-    rng_state,
-    set_rng_state,
-    verify_manifest,
-    write_manifest,
-)
+from rl_core import checkpoint_io
 
 logger = logging.getLogger(__name__)
 
@@ -78,13 +71,13 @@ def _use_forked_results_queue() -> None:
 def _rng_state() -> dict[str, Any]:
     from megatron.core import tensor_parallel
 
-    return {**rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    return {**checkpoint_io.rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
     from megatron.core import tensor_parallel
 
-    set_rng_state(state)
+    checkpoint_io.set_rng_state(state)
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
@@ -116,8 +109,8 @@ def save(path: str, model: Any, optimizer: Any, scheduler: Any) -> None:
     torch.save(_rng_state(), tmp / f"rng_rank{dist.get_rank()}.pt")
     dist.barrier()
     if dist.get_rank() == 0:
-        write_manifest(tmp)  # last: its presence says the directory is complete
-        publish_dir(tmp, final)
+        checkpoint_io.write_manifest(tmp)  # last: its presence says the directory is complete
+        checkpoint_io.publish_dir(tmp, final)
     dist.barrier()
     logger.info("saved engine checkpoint to %s", final)
 
@@ -130,7 +123,7 @@ def load(path: str, model: Any, optimizer: Any, scheduler: Any) -> None:
     if not Path(path, "metadata.json").exists():
         raise ValueError(f"{path} is not an engine checkpoint (no metadata.json); pass a directory that "
                          "MegatronEngine.save_checkpoint wrote")
-    verify_manifest(path)  # before dist_checkpointing reads (and unpickles) anything in it
+    checkpoint_io.verify_manifest(path)  # before dist_checkpointing reads (and unpickles) anything in it
     with device_context():
         state = dist_checkpointing.load(_sharded_state(model, optimizer, scheduler, is_loading=True), path)
     missing, unexpected = gpt_model(model).load_state_dict(state["model"], strict=False)
@@ -142,7 +135,7 @@ def load(path: str, model: Any, optimizer: Any, scheduler: Any) -> None:
     scheduler.load_state_dict(state["scheduler"])
     rng_file = Path(path, f"rng_rank{dist.get_rank()}.pt")
     if rng_file.exists():
-        _set_rng_state(load_tensors(rng_file))
+        _set_rng_state(checkpoint_io.load_tensors(rng_file))
     else:
         logger.warning("%s has no RNG state for rank %d (saved with another world size): RNG not restored",
                        path, dist.get_rank())
