@@ -212,3 +212,22 @@ def test_resuming_a_finished_run_logs_its_final_validation_again(tmp_path, monke
     run = stub_run(tmp_path, None, "grpo.max_steps=4", "grpo.val_every=2")
     loop.train(run, start_step=4)
     assert run.sink.history == [{"step": 4, "val/reward_mean": 0.4}]
+
+
+def test_run_directory_without_an_intact_checkpoint_exits_2_and_keeps_its_metrics(tmp_path, caplog, monkeypatch):
+    """Through the CLI entry point: the error comes before Ray starts, and nothing is deleted."""
+    import grpo_app.main as cli
+
+    monkeypatch.setattr(cli, "preflight", lambda cfg: cfg)  # the model and prompts are not what is tested
+    monkeypatch.setattr(cli, "load_inputs", lambda cfg: None)
+    monkeypatch.setattr(cli, "run_training", lambda *args: pytest.fail("the run started"))
+
+    log_dir = tmp_path / "run"
+    save_two(log_dir / "checkpoints")
+    for step in (1, 2):
+        delete(log_dir / f"checkpoints/step_{step}/trainer_state.json")  # what the issue's run did silently
+    (log_dir / "metrics.jsonl").write_text('{"step": 0, "train/loss": 1.0}\n')
+    with caplog.at_level(logging.ERROR):
+        assert cli.main([f"logger.log_dir={log_dir}", "grpo.max_steps=2"]) == 2
+    assert "no intact checkpoint" in caplog.text and "trainer_state.json is missing" in caplog.text
+    assert (log_dir / "metrics.jsonl").read_text() == '{"step": 0, "train/loss": 1.0}\n'
