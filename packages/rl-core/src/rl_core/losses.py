@@ -128,8 +128,8 @@ def clipped_pg_loss(
         if entropy is not None:
             metrics["entropy"] = torch.where(valid, entropy.detach(), 0.0).sum() / n_tok
         metrics["nonfinite_logprob_tokens"] = nonfinite.to(mask.dtype)
-    if nonfinite > 0:  # poison the gradient so that optimizer_step skips the step (module docstring)
-        loss = loss * float("nan")
+    # poison the gradient so that optimizer_step skips the step (module docstring); no host sync
+    loss = loss * torch.where(nonfinite > 0, float("nan"), 1.0).to(loss.dtype)
     return loss, metrics
 
 
