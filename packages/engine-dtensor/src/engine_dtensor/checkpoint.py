@@ -74,7 +74,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     """Restore what `save_checkpoint` wrote (resharding to this run's layout if it differs)."""
     if not (Path(path) / ".metadata").exists():
         raise ValueError(f"{path!r} is not a DTensor engine checkpoint (no DCP .metadata file in it)")
-    checkpoint_io.verify_manifest(path)  # before dcp.load, which unpickles .metadata
+    checkpoint_io.verify_manifest_on_rank0(path)  # before dcp.load, which unpickles .metadata
     model_sd, optim_sd = get_state_dict(model, optimizer)  # the target layout, incl. empty optimizer state
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)

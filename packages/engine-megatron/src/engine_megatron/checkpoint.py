@@ -123,7 +123,7 @@ def load(path: str, model: Any, optimizer: Any, scheduler: Any) -> None:
     if not Path(path, "metadata.json").exists():
         raise ValueError(f"{path} is not an engine checkpoint (no metadata.json); pass a directory that "
                          "MegatronEngine.save_checkpoint wrote")
-    checkpoint_io.verify_manifest(path)  # before dist_checkpointing reads (and unpickles) anything in it
+    checkpoint_io.verify_manifest_on_rank0(path)  # before dist_checkpointing reads (and unpickles) anything in it
     with device_context():
         state = dist_checkpointing.load(_sharded_state(model, optimizer, scheduler, is_loading=True), path)
     missing, unexpected = gpt_model(model).load_state_dict(state["model"], strict=False)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 MANIFEST_FILE = "MANIFEST.json"
 _CHUNK = 1 << 20
@@ -145,6 +146,22 @@ def verify_manifest(directory: str | os.PathLike) -> None:
             raise CheckpointError(f"{file} does not match its sha256 in {path}: the file was changed")
         if file.name == MANIFEST_FILE:
             verify_manifest(file.parent)
+
+
+def verify_manifest_on_rank0(directory: str | os.PathLike) -> None:
+    """`verify_manifest` once per job, not once per rank: rank 0 checks, every rank raises the same error."""
+    if not dist.is_initialized():
+        verify_manifest(directory)
+        return
+    problem = [None]
+    if dist.get_rank() == 0:
+        try:
+            verify_manifest(directory)
+        except CheckpointError as exc:
+            problem = [str(exc)]
+    dist.broadcast_object_list(problem, src=0)
+    if problem[0] is not None:
+        raise CheckpointError(problem[0])
 
 
 def rng_state() -> dict[str, Any]:
