@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -91,8 +92,12 @@ def _common_path(path: str) -> Path:
     return Path(box[0])
 
 
-def save(path: str, model: Any, optimizer: Any, scheduler: Any) -> None:
-    """Write everything under `path` atomically (temp dir + rename after a barrier)."""
+def save(path: str, model: Any, optimizer: Any, scheduler: Any,
+         write_side_files: Callable[[Path], None] | None = None) -> None:
+    """Write everything under `path` atomically (temp dir + rename after a barrier).
+
+    `write_side_files(dir)` (rank 0) adds files beside the engine state before the manifest is written.
+    """
     from megatron.core import dist_checkpointing
 
     final = _common_path(path)
@@ -109,6 +114,8 @@ def save(path: str, model: Any, optimizer: Any, scheduler: Any) -> None:
     torch.save(_rng_state(), tmp / f"rng_rank{dist.get_rank()}.pt")
     dist.barrier()
     if dist.get_rank() == 0:
+        if write_side_files is not None:
+            write_side_files(tmp)
         checkpoint_io.write_manifest(tmp)  # last: its presence says the directory is complete
         checkpoint_io.publish_dir(tmp, final)
     dist.barrier()

@@ -170,11 +170,11 @@ class MegatronEngine:
         """The engine checkpoint, plus what `ckpt-convert mcore2hf` needs beside it (model config, HF files)."""
         from ckpt_convert.convert import save_conversion_metadata
 
-        checkpoint.save(path, self.model, self.optimizer, self.scheduler)
-        if dist.get_rank() == 0:
-            save_conversion_metadata(path, self.hf_config, self.model_cfg, self.policy.model_name,
+        def write_conversion_metadata(directory: Path) -> None:  # inside the checkpoint's manifest
+            save_conversion_metadata(directory, self.hf_config, self.model_cfg, self.policy.model_name,
                                      tp=self.cfg.tp, pp=self.cfg.pp, ep=self.cfg.ep)
-        dist.barrier()
+
+        checkpoint.save(path, self.model, self.optimizer, self.scheduler, write_conversion_metadata)
 
     def load_checkpoint(self, path: str) -> None:
         checkpoint.load(path, self.model, self.optimizer, self.scheduler)
