@@ -28,10 +28,17 @@ def grpo_command(log_dir: Path, *overrides: str) -> list[str]:
     return [sys.executable, str(ROOT / "apps/grpo"), *SMALL, f"logger.log_dir={log_dir}", *overrides]
 
 
+RAY_START_TIMEOUT = "The current node timed out during startup"  # Ray's fixed 30 s, hit on an overloaded machine
+
+
 def run_grpo(log_dir: Path, *overrides: str, timeout: float = 600) -> list[dict]:
     env = {**os.environ, "RL_STACK_CACHE": str(log_dir.parent / "cache")}
-    proc = subprocess.run(grpo_command(log_dir, *overrides), cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    for _ in range(3):  # nothing has run when Ray's own startup times out: start again
+        proc = subprocess.run(grpo_command(log_dir, *overrides), cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+        if RAY_START_TIMEOUT not in proc.stderr:
+            break
+    (log_dir.parent / f"{log_dir.name}.log").write_text(proc.stderr)
     assert proc.returncode == 0, f"grpo failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
     return read_metrics(log_dir)
 
@@ -142,26 +149,23 @@ def test_kill_at_random_points_then_resume_matches_the_uninterrupted_run(tmp_pat
     env = {**os.environ, "RL_STACK_CACHE": str(tmp_path / "cache")}
     rng = random.Random(int(time.time()))
     deadline = time.time() + 900
-    kills = 0
-    for cycle in range(5):
-        with open(tmp_path / f"cycle{cycle}.log", "w") as log:
+    kills = cycle = 0
+    while kills < 5 and cycle < 10:
+        cycle_log = tmp_path / f"cycle{cycle}.log"
+        with open(cycle_log, "w") as log:
             proc = subprocess.Popen(grpo_command(log_dir, *overrides), cwd=ROOT, env=env, stdout=log, stderr=log,
                                     start_new_session=True)
-            mid_write = cycle % 2 == 0
+            mid_write = kills % 2 == 0
             killed = _kill_when(proc, ckpt_dir, mid_write, rng.uniform(0.0, 0.05 if mid_write else 1.5), deadline)
+        cycle += 1
         kills += killed
         for step_dir in ckpt_dir.glob("step_*"):  # every published checkpoint is whole
             verify_manifest(step_dir)
-        if not killed:
-            break
-    resumed_log = tmp_path / "final.log"
+        if not killed and RAY_START_TIMEOUT not in cycle_log.read_text():
+            break  # the run finished before the trigger
     newest = max((int(p.name[5:]) for p in ckpt_dir.glob("step_*")), default=None)
-    with open(resumed_log, "w") as log:
-        proc = subprocess.run(grpo_command(log_dir, *overrides), cwd=ROOT, env=env, stdout=log, stderr=log,
-                              timeout=600)
-    text = resumed_log.read_text()
-    assert proc.returncode == 0, text[-6000:]
-    if newest is not None:
-        assert f"resumed from {ckpt_dir}/step_{newest} at step {newest}" in text
-    assert kills >= 3, f"only {kills} of 5 runs were killed before they ended"
-    assert _comparable(read_metrics(log_dir)) == reference
+    records = run_grpo(log_dir, *overrides)  # the last resume, to the end
+    assert kills >= 3, f"only {kills} runs were killed before they ended"
+    if newest is not None:  # it continued from the newest checkpoint the kills left (all of them intact)
+        assert f"resumed from {ckpt_dir}/step_{newest} at step {newest}" in (tmp_path / "killed.log").read_text()
+    assert _comparable(records) == reference
