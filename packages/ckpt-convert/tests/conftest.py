@@ -12,11 +12,13 @@ sys.path.insert(0, str(Path(__file__).parent))  # for ckpt_convert_testutil (imp
 import megatron.core.dist_checkpointing  # noqa: E402, F401
 
 # Import megatron (3-4 s) and apply the CPU patches once in the parent: run_distributed forks workers
-# that inherit both instead of paying the import per test.
+# that inherit both instead of paying the import per test. The conversion itself needs no patches; the
+# tests that build a GPTModel to compare logits use engine-megatron's builder and CPU layer (a test-only
+# import: engine-megatron depends on ckpt-convert, not the reverse).
 import megatron.core.models.gpt  # noqa: E402, F401
 from ckpt_convert_testutil import ARCHS  # noqa: E402
 
-from ckpt_convert.megatron_cpu import ensure_cpu_compat  # noqa: E402
+from engine_megatron.megatron_cpu import ensure_cpu_compat  # noqa: E402
 
 ensure_cpu_compat()
 

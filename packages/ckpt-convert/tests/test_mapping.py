@@ -67,7 +67,7 @@ def _export_like_the_engine(rank: int, world_size: int, path, tp: int, ep: int) 
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from ckpt_convert.mapping import hf_to_mcore_tensor
-    from ckpt_convert.mcore_model import build_gpt_model
+    from engine_megatron.model import build_gpt_model
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
     try:

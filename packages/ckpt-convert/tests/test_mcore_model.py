@@ -26,7 +26,7 @@ def _megatron_logits(rank: int, world_size: int, path, tp: int, sequence_paralle
     )
 
     from ckpt_convert.mapping import canonical_name, hf_to_mcore_tensor, split_tp_shard
-    from ckpt_convert.mcore_model import build_gpt_model
+    from engine_megatron.model import build_gpt_model
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     try:

@@ -54,7 +54,7 @@ def _megatron_load_and_save(rank: int, world_size: int, jobs: list, tp: int, pp:
 
     from ckpt_convert.convert import load_model_config
     from ckpt_convert.dist_format import load_into_model
-    from ckpt_convert.mcore_model import build_gpt_model
+    from engine_megatron.model import build_gpt_model
 
     diffs = []
     for converted, save_dir, ref_logits in jobs:
@@ -142,7 +142,7 @@ def _fake_extra_state_is_dropped(rank: int, world_size: int, converted: Path) ->
 
     from ckpt_convert.convert import load_model_config
     from ckpt_convert.dist_format import drop_absent_objects
-    from ckpt_convert.mcore_model import build_gpt_model
+    from engine_megatron.model import build_gpt_model
 
     ps.initialize_model_parallel()
     try:

@@ -20,7 +20,7 @@ import megatron.core.optimizer  # noqa: E402, F401
 import megatron.core.pipeline_parallel  # noqa: E402, F401
 
 import engine_megatron.engine  # noqa: E402, F401
-from ckpt_convert.megatron_cpu import ensure_cpu_compat  # noqa: E402
+from engine_megatron.megatron_cpu import ensure_cpu_compat  # noqa: E402
 
 ensure_cpu_compat()
 

@@ -1,16 +1,15 @@
-"""HF config -> megatron-core model: `MCoreModelConfig`, `mcore_model_config()` and `build_gpt_model()`.
+"""HF config -> megatron-core model config: `MCoreModelConfig` and `mcore_model_config()`.
 
-Owns the architecture mapping (which TransformerConfig fields an HF config implies) and the choice of the
-layer spec. It does not own weights (mapping.py) or files (convert.py). The megatron engine builds its
-model through `build_gpt_model(mcore_model_config(load_hf_config(path), tp=..., ...))`, so engine and
-converter agree on every field.
+Owns the architecture mapping (which TransformerConfig fields an HF config implies). It does not own
+weights (mapping.py), files (convert.py) or building the model: the megatron engine builds its GPTModel
+from `mcore_model_config(load_hf_config(path), tp=..., ...)` (`engine_megatron.model.build_gpt_model`),
+so engine and converter agree on every field.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib.util
 import json
 import logging
 import os
@@ -196,65 +195,3 @@ def mcore_model_config(hf_config: Any, *, tp: int = 1, pp: int = 1, ep: int = 1,
         max_sequence_length=hf.max_position_embeddings,
         share_embeddings_and_output_weights=bool(getattr(hf, "tie_word_embeddings", False)),
         position_embedding_type="rope", arch=arch, **_rope_fields(hf))
-
-
-def te_available() -> bool:
-    """True when Transformer Engine can be used: CUDA present and TE importable."""
-    if not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None:
-        return False
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception:  # noqa: BLE001 - a broken TE install means: use the local spec
-        logger.warning("transformer_engine is installed but does not import; using the local layer spec")
-        return False
-    return True
-
-
-def layer_spec(cfg: MCoreModelConfig) -> Any:
-    """The layer spec, chosen once: Transformer Engine with CUDA, megatron's local modules otherwise
-    (with `SegmentDotProductAttention` as core attention, for packed rows)."""
-    from megatron.core.models.gpt import gpt_layer_specs
-
-    tc = cfg.transformer_config
-    kwargs = dict(num_experts=tc.num_moe_experts, moe_grouped_gemm=tc.moe_grouped_gemm,
-                  qk_layernorm=tc.qk_layernorm)
-    if te_available():
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**kwargs)
-    from ckpt_convert.segment_attention import SegmentDotProductAttention
-
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=tc.normalization, **kwargs)
-    # packed rows: attend per sequence instead of over the whole row with a block-diagonal mask
-    spec.submodules.self_attention.submodules.core_attention = SegmentDotProductAttention
-    return spec
-
-
-def build_gpt_model(cfg: MCoreModelConfig, *, pre_process: bool | None = None, post_process: bool | None = None,
-                    vp_stage: int | None = None) -> Any:
-    """Build the megatron GPTModel for this rank (parallel_state must be initialised by the caller)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-
-    from ckpt_convert.megatron_cpu import ensure_cpu_compat
-
-    ensure_cpu_compat()
-    if pre_process is None:
-        pre_process = ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
-    if post_process is None:
-        post_process = ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
-    model = GPTModel(
-        config=cfg.transformer_config, transformer_layer_spec=layer_spec(cfg), vocab_size=cfg.vocab_size,
-        max_sequence_length=cfg.max_sequence_length, pre_process=pre_process, post_process=post_process,
-        share_embeddings_and_output_weights=cfg.share_embeddings_and_output_weights,
-        position_embedding_type=cfg.position_embedding_type, rotary_base=cfg.rotary_base,
-        rope_scaling=cfg.rope_scaling, rope_scaling_factor=cfg.rope_scaling_factor, vp_stage=vp_stage)
-    if cfg.rope_scaling and hasattr(model, "rotary_pos_emb"):
-        # GPTModel only forwards the llama3 `factor`; recompute inv_freq with all four HF parameters.
-        rope = model.rotary_pos_emb
-        dim = rope.inv_freq.numel() * 2
-        base = 1.0 / (cfg.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32,
-                                                       device=rope.inv_freq.device) / dim))
-        rope.inv_freq = rope._apply_scaling(
-            base, factor=cfg.rope_scaling_factor, low_freq_factor=cfg.rope_low_freq_factor,
-            high_freq_factor=cfg.rope_high_freq_factor,
-            original_max_position_embeddings=cfg.rope_original_max_position_embeddings)
-    return model

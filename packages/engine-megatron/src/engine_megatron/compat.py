@@ -1,6 +1,6 @@
-"""The one switch between CUDA and CPU: ckpt-convert's CPU-compat module, applied only without CUDA.
+"""The one switch between CUDA and CPU: the CPU-compat module, applied only without CUDA.
 
-Owns nothing but the choice; the patches themselves live in `ckpt_convert.megatron_cpu` (one module for
+Owns nothing but the choice; the patches themselves live in `engine_megatron.megatron_cpu` (one module for
 the whole stack, see shared/notes/megatron-cpu-probe).
 """
 
@@ -19,7 +19,7 @@ def prepare_device() -> torch.device:
     """cuda if available; otherwise apply the CPU patches (idempotent) and use the CPU."""
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
-    from ckpt_convert.megatron_cpu import ensure_cpu_compat
+    from engine_megatron.megatron_cpu import ensure_cpu_compat
 
     ensure_cpu_compat()
     return torch.device("cpu")
@@ -31,7 +31,7 @@ def device_context() -> Iterator[None]:
     if torch.cuda.is_available():
         yield
         return
-    from ckpt_convert.megatron_cpu import cpu_device_context
+    from engine_megatron.megatron_cpu import cpu_device_context
 
     with cpu_device_context():
         yield

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ckpt_convert.megatron_cpu import cpu_device_context, ensure_cpu_compat
+from engine_megatron.megatron_cpu import cpu_device_context, ensure_cpu_compat
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ckpt_convert.segment_attention import block_causal_segments
+from engine_megatron.segment_attention import block_causal_segments
 from rl_core.testing.distributed import run_distributed
 
 
@@ -29,7 +29,7 @@ def _compare(rank: int, world: int, heads: int, groups: int, lengths: list[int])
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from ckpt_convert.segment_attention import SegmentDotProductAttention
+    from engine_megatron.segment_attention import SegmentDotProductAttention
 
     ps.initialize_model_parallel()
     model_parallel_cuda_manual_seed(0)
