@@ -29,8 +29,9 @@ from engine_dtensor.optim import build_optimizer, build_scheduler, clip_grads_
 from engine_dtensor.parallel_dims import ParallelDims
 from engine_dtensor.parallelize import parallelize
 from rl_core.batch import LossFn, LossInputs, StepResult, TokenBatch
-from rl_core.config import PolicyConfig
+from rl_core.config import PolicyConfig, micro_batch_limits
 from rl_core.distributed import init_process_group
+from rl_core.interfaces import TrainingEngine
 from rl_core.metrics import all_reduce_metrics, combine_metrics
 from rl_core.registry import register_engine
 
@@ -73,8 +74,9 @@ def load_hf_model(path: str, attn_impl: str) -> torch.nn.Module:
 
 
 @register_engine("dtensor")
-class DTensorEngine:
-    """FSDP2 (+ DTensor TP) training engine; `batch` arguments are this DP rank's shard."""
+class DTensorEngine(TrainingEngine):
+    """FSDP2 (+ DTensor TP) training engine; `batch` arguments are this DP rank's shard (`train_batch`:
+    rl-core's template)."""
 
     @classmethod
     def validate_config(cls, policy: PolicyConfig) -> DTensorConfig:
@@ -104,35 +106,16 @@ class DTensorEngine:
 
     # ---- micro-batching -------------------------------------------------------------------------
 
-    def _all_reduce(self, values: list[float], op: dist.ReduceOp = dist.ReduceOp.SUM) -> list[float]:
+    def _all_reduce(self, values: list[float]) -> list[float]:
+        """Sums over the DP ranks."""
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=op, group=self.dp_group)
+        dist.all_reduce(t, group=self.dp_group)
         return t.tolist()
 
     def _plan(self, lengths: list[int], *, train: bool) -> seqpack.MicroBatchPlan:
-        """Micro-batches by count or token budget; padded with empty ones to the max over DP ranks."""
-        packing, dynamic = self.policy.sequence_packing, self.policy.dynamic_batching
-        if packing.enabled:
-            budget = dict(
-                max_tokens=packing.train_mb_tokens if train else packing.logprob_mb_tokens,
-                packing=True,
-                algorithm=packing.algorithm,
-                round_to=self.seq_multiple,
-            )
-        elif dynamic.enabled:
-            budget = dict(
-                max_tokens=dynamic.train_mb_tokens if train else dynamic.logprob_mb_tokens,
-                round_to=max(dynamic.sequence_length_round, self.seq_multiple),
-            )
-        else:
-            budget = dict(
-                max_seqs=self.policy.train_micro_batch_size if train else self.policy.logprob_batch_size
-            )
-        plan = seqpack.plan_micro_batches(lengths, **budget)
-        most = int(self._all_reduce([len(plan.micro_batches)], dist.ReduceOp.MAX)[0])
-        if most > len(plan.micro_batches):
-            plan = seqpack.plan_micro_batches(lengths, **budget, min_micro_batches=most)
-        return plan
+        """Micro-batches by count or token budget, as many on every DP rank (FSDP's collectives need it)."""
+        limits = micro_batch_limits(self.policy, training=train, seq_multiple=self.seq_multiple)
+        return seqpack.plan_dp_micro_batches(lengths, group=self.dp_group, device=self.device, **limits)
 
     def _sequence_logprobs(
         self, seqs: list[Tensor], *, with_entropy: bool
@@ -145,10 +128,9 @@ class DTensorEngine:
         )
         return inputs.unpack(logprobs), None if entropy is None else inputs.unpack(entropy)
 
-    def _dummy_micro_batch(self, *, backward: bool) -> None:
+    def _dummy_micro_batch(self, batch: TokenBatch, *, backward: bool) -> None:
         """A zero-weight forward (and backward) so this rank joins the FSDP collectives of the others."""
-        seq = torch.zeros(max(2, self.seq_multiple), dtype=torch.long)
-        logprobs, _ = self._sequence_logprobs([seq], with_entropy=False)
+        logprobs, _ = self._sequence_logprobs(batch.dummy(self.seq_multiple).input_ids, with_entropy=False)
         if backward:
             (logprobs[0].sum() * 0.0).backward()
 
@@ -165,7 +147,7 @@ class DTensorEngine:
         with torch.no_grad() if forward_only else nullcontext():
             for indices in plan.micro_batches:
                 if not indices:
-                    self._dummy_micro_batch(backward=not forward_only)
+                    self._dummy_micro_batch(batch, backward=not forward_only)
                     continue
                 micro = batch.select(indices)
                 logprobs, entropy = self._sequence_logprobs(micro.input_ids, with_entropy=True)
@@ -189,7 +171,7 @@ class DTensorEngine:
         outputs: list[list[Tensor]] = []
         for indices in plan.micro_batches:
             if not indices:
-                self._dummy_micro_batch(backward=False)
+                self._dummy_micro_batch(batch, backward=False)
                 outputs.append([])
                 continue
             logprobs, _ = self._sequence_logprobs([batch.input_ids[i] for i in indices], with_entropy=False)
@@ -213,17 +195,6 @@ class DTensorEngine:
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-
-    def train_batch(self, batch: TokenBatch, loss_fn: LossFn) -> dict[str, float]:
-        self.zero_grad()
-        result = self.forward_backward(batch, loss_fn)
-        step = self.optimizer_step()
-        return {
-            **result.metrics,
-            "loss": result.loss,
-            **step,
-            "num_micro_batches": float(result.num_micro_batches),
-        }
 
     def export_hf_weights(self) -> Iterator[tuple[str, Tensor]]:
         return checkpoint.export_hf_weights(self.model)

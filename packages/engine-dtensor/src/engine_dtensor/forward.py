@@ -38,10 +38,6 @@ class ModelInputs:
     attention_kwargs: dict[str, Tensor | int] = field(default_factory=dict)  # passed through to the attention
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
 def _kernel_mask(allowed: Tensor, attn_impl: str) -> Tensor:
     """(B, S, S) bool, True = may attend -> the 4-D mask the HF attention kernel expects."""
     mask = allowed[:, None]  # (B, 1, S, S)
@@ -56,7 +52,7 @@ def build_padded_inputs(
 ) -> ModelInputs:
     """Right-padded (B, S) rows; S is rounded up to `seq_multiple` (the TP size under sequence parallel)."""
     lengths = [int(s.numel()) for s in seqs]
-    width = _round_up(max(lengths), seq_multiple)
+    width = seqpack.round_up(max(lengths), seq_multiple)
     ids = torch.zeros(len(seqs), width, dtype=torch.long)
     for i, s in enumerate(seqs):
         ids[i, : lengths[i]] = s

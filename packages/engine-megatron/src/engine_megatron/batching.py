@@ -13,19 +13,17 @@ start .. start+L-2 and is shifted right by one (rl_core's alignment: 0 at t = 0)
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 import seqpack
 from engine_megatron.config import ResolvedSettings
 from rl_core.batch import TokenBatch
-from rl_core.config import PolicyConfig
+from rl_core.config import PolicyConfig, micro_batch_limits
 from rl_core.logprobs import shift_align
 
 
@@ -49,44 +47,12 @@ class MicroBatch:
         return int(self.tokens.shape[0]), int(self.tokens.shape[1])
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
 def plan(batch: TokenBatch, policy: PolicyConfig, settings: ResolvedSettings, *, training: bool,
-         dp_group: Any = None) -> seqpack.MicroBatchPlan:
-    """Micro-batches of this rank's sequences; every DP rank gets the same count (all-reduce max)."""
-    lengths = batch.lengths
-    if settings.packing:
-        packing = policy.sequence_packing
-        kwargs = dict(max_tokens=packing.train_mb_tokens if training else packing.logprob_mb_tokens,
-                      packing=True, algorithm=packing.algorithm, round_to=settings.pack_multiple)
-    elif policy.dynamic_batching.enabled:
-        dyn = policy.dynamic_batching
-        kwargs = dict(max_tokens=dyn.train_mb_tokens if training else dyn.logprob_mb_tokens,
-                      round_to=math.lcm(dyn.sequence_length_round, settings.seq_multiple))
-    else:
-        kwargs = dict(max_seqs=policy.train_micro_batch_size if training else policy.logprob_batch_size,
-                      round_to=settings.seq_multiple)
-    result = seqpack.plan_micro_batches(lengths, **kwargs)
-    if dist.is_initialized() and dist.get_world_size(dp_group) > 1:
-        count = torch.tensor([len(result.micro_batches)])
-        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)
-        if int(count) != len(result.micro_batches):
-            result = seqpack.plan_micro_batches(lengths, min_micro_batches=int(count), **kwargs)
-    return result
-
-
-def dummy_batch(like: TokenBatch, length: int) -> TokenBatch:
-    """A one-sequence batch of pad tokens, no loss tokens, with the same optional fields as `like`."""
-    zeros = [torch.zeros(length)]
-    return TokenBatch(
-        input_ids=[torch.zeros(length, dtype=torch.long)], loss_mask=[torch.zeros(length)],
-        advantages=None if like.advantages is None else zeros,
-        prev_logprobs=None if like.prev_logprobs is None else zeros,
-        gen_logprobs=None if like.gen_logprobs is None else zeros,
-        ref_logprobs=None if like.ref_logprobs is None else zeros,
-    )
+         dp_group: Any = None, device: torch.device | str = "cpu") -> seqpack.MicroBatchPlan:
+    """Micro-batches of this rank's sequences; every DP rank gets the same count (seqpack's DP planner)."""
+    multiple = settings.pack_multiple if settings.packing else settings.seq_multiple
+    limits = micro_batch_limits(policy, training=training, seq_multiple=multiple)
+    return seqpack.plan_dp_micro_batches(batch.lengths, group=dp_group, device=device, **limits)
 
 
 def build_micro_batches(batch: TokenBatch, mb_plan: seqpack.MicroBatchPlan, settings: ResolvedSettings,
@@ -97,7 +63,7 @@ def build_micro_batches(batch: TokenBatch, mb_plan: seqpack.MicroBatchPlan, sett
         if indices:
             parts.append((batch.select(indices), 1.0))
         else:
-            parts.append((dummy_batch(batch, max(2, settings.seq_multiple)), 0.0))
+            parts.append((batch.dummy(settings.seq_multiple), 0.0))
     if settings.packing:
         mbs = [_packed(b, w, settings) for b, w in parts]
     else:
@@ -117,7 +83,7 @@ def build_micro_batches(batch: TokenBatch, mb_plan: seqpack.MicroBatchPlan, sett
 
 def _padded(batch: TokenBatch, weight: float, settings: ResolvedSettings) -> MicroBatch:
     lengths = batch.lengths
-    cols = _round_up(max(lengths), settings.seq_multiple)
+    cols = seqpack.round_up(max(lengths), settings.seq_multiple)
     tokens = torch.zeros(len(lengths), cols, dtype=torch.long)  # (B, S)
     for row, ids in enumerate(batch.input_ids):
         tokens[row, : len(ids)] = ids

@@ -36,6 +36,7 @@ from engine_megatron.vocab_parallel import vocab_parallel_entropy, vocab_paralle
 from rl_core.batch import LossFn, LossInputs, StepResult, TokenBatch
 from rl_core.config import PolicyConfig
 from rl_core.distributed import init_process_group
+from rl_core.interfaces import TrainingEngine
 from rl_core.metrics import all_reduce_metrics, combine_metrics
 from rl_core.registry import register_engine
 
@@ -56,7 +57,7 @@ class _StepState:
 
 
 @register_engine("megatron")
-class MegatronEngine:
+class MegatronEngine(TrainingEngine):
     """A policy model on megatron-core; see the module docstring."""
 
     @classmethod
@@ -109,7 +110,8 @@ class MegatronEngine:
         counts = torch.tensor([batch.num_valid_tokens(), batch.num_valid_seqs()], dtype=torch.float64)
         if self.ranks.dp_size > 1:
             dist.all_reduce(counts, group=dp_group)
-        mb_plan = batching.plan(batch, self.policy, self.settings, training=True, dp_group=dp_group)
+        mb_plan = batching.plan(batch, self.policy, self.settings, training=True, dp_group=dp_group,
+                                device=self.device)
         mbs = self._micro_batches(batch, mb_plan)
         state = _StepState(loss_fn=loss_fn, num_valid_tokens=float(counts[0]), num_valid_seqs=float(counts[1]),
                            scale=len(mbs) * self.ranks.dp_size / self.ranks.cp_size)
@@ -124,7 +126,7 @@ class MegatronEngine:
         from megatron.core import parallel_state as ps
 
         mb_plan = batching.plan(batch, self.policy, self.settings, training=False,
-                                dp_group=ps.get_data_parallel_group())
+                                dp_group=ps.get_data_parallel_group(), device=self.device)
         mbs = self._micro_batches(batch, mb_plan)
         state = _StepState(loss_fn=None)
         self._run(mbs, state, forward_only=True)
@@ -139,12 +141,6 @@ class MegatronEngine:
     def zero_grad(self) -> None:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-
-    def train_batch(self, batch: TokenBatch, loss_fn: LossFn) -> dict[str, float]:
-        self.zero_grad()
-        result = self.forward_backward(batch, loss_fn)
-        step = self.optimizer_step()
-        return {"loss": result.loss, **step, "num_micro_batches": float(result.num_micro_batches), **result.metrics}
 
     def export_hf_weights(self) -> Iterator[tuple[str, Tensor]]:
         """Full tensors under HF names, one at a time (TP/EP gathered, broadcast from the owning stage)."""

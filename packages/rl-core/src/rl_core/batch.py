@@ -74,6 +74,15 @@ class TokenBatch:
     def num_valid_seqs(self) -> int:
         return int(sum(int(m.sum() > 0) for m in self.loss_mask))
 
+    def dummy(self, seq_multiple: int = 1) -> TokenBatch:
+        """One sequence of pad tokens with no loss tokens and this batch's optional fields: the zero-weight
+        micro-batch a rank with fewer micro-batches runs so that it joins every collective of the others.
+        Two tokens (one next-token target), or the engine's `seq_multiple` if that is larger."""
+        length = max(2, seq_multiple)
+        zeros = [torch.zeros(length)]
+        optional = {name: None if getattr(self, name) is None else zeros for name in PER_TOKEN_FIELDS[1:]}
+        return TokenBatch(input_ids=[torch.zeros(length, dtype=torch.long)], loss_mask=zeros, **optional)
+
 
 @dataclass(kw_only=True)
 class LossInputs:

@@ -180,6 +180,26 @@ class DynamicBatchingConfig:
     sequence_length_round: int = 64
 
 
+def micro_batch_limits(policy: PolicyConfig, *, training: bool, seq_multiple: int) -> dict[str, Any]:
+    """Keyword arguments of `seqpack.plan_dp_micro_batches` for the policy's batching mode (both engines).
+
+    seq_multiple: the multiple the engine pads every sequence to (packing: each packed sequence; padded:
+    the row width). `round_to` is what seqpack prices a sequence at, so it must be a multiple of both
+    the engine's multiple and dynamic batching's `sequence_length_round`: their lcm (the max of the two
+    undercounts, e.g. 64 vs TP=3, and a micro-batch would run past its token budget).
+    """
+    if policy.sequence_packing.enabled:
+        packing = policy.sequence_packing
+        return dict(max_tokens=packing.train_mb_tokens if training else packing.logprob_mb_tokens,
+                    packing=True, algorithm=packing.algorithm, round_to=seq_multiple)
+    if policy.dynamic_batching.enabled:
+        dynamic = policy.dynamic_batching
+        return dict(max_tokens=dynamic.train_mb_tokens if training else dynamic.logprob_mb_tokens,
+                    round_to=math.lcm(dynamic.sequence_length_round, seq_multiple))
+    return dict(max_seqs=policy.train_micro_batch_size if training else policy.logprob_batch_size,
+                round_to=seq_multiple)
+
+
 @dataclass(kw_only=True)
 class PolicyConfig:
     """`policy.*`: the model and the training settings both engines share."""

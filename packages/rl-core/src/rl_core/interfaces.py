@@ -36,6 +36,11 @@ class TrainingEngine(Protocol):
 
     def train_batch(self, batch: TokenBatch, loss_fn: LossFn) -> dict[str, float]:
         """zero_grad + forward_backward + optimizer_step; returns loss, loss metrics and step metrics."""
+        # The template (engines that subclass TrainingEngine inherit it): one definition of a training step.
+        self.zero_grad()
+        result = self.forward_backward(batch, loss_fn)
+        step = self.optimizer_step()
+        return {**result.metrics, "loss": result.loss, **step, "num_micro_batches": float(result.num_micro_batches)}
 
     def export_hf_weights(self) -> Iterator[tuple[str, Tensor]]:
         """Full (unsharded) tensors under Hugging Face names, one at a time (for refit)."""

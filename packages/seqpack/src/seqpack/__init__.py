@@ -5,14 +5,16 @@
 - `pack`, `pack_like`, `unpack`, `block_causal_mask`, `PackedLayout` (layout): packed rows with cu_seqlens,
   restarting position ids, seq ids and a block-diagonal causal mask.
 - `cp_shard_indices`, `cp_shard`, `cp_gather` (context_parallel): megatron's 2*CP-chunk load-balanced split.
-- `plan_micro_batches`, `MicroBatchPlan` (microbatch): token-budget micro-batching, padded or packed.
+- `plan_micro_batches`, `MicroBatchPlan` (microbatch): token-budget micro-batching, padded or packed;
+  `plan_dp_micro_batches`: the same, with the same micro-batch count on every DP rank (both engines).
+- `round_up` (layout): the one rounding rule of every padded length.
 """
 
 from .balance import balance_partitions, partition_spread
 from .binpack import pack_bins
 from .context_parallel import cp_gather, cp_shard, cp_shard_indices
-from .layout import PackedLayout, block_causal_mask, build_layout, pack, pack_like, unpack
-from .microbatch import MicroBatchPlan, micro_batch_cost, plan_micro_batches
+from .layout import PackedLayout, block_causal_mask, build_layout, pack, pack_like, round_up, unpack
+from .microbatch import MicroBatchPlan, micro_batch_cost, plan_dp_micro_batches, plan_micro_batches
 
 __all__ = [
     "MicroBatchPlan",
@@ -28,6 +30,8 @@ __all__ = [
     "pack_bins",
     "pack_like",
     "partition_spread",
+    "plan_dp_micro_batches",
     "plan_micro_batches",
+    "round_up",
     "unpack",
 ]

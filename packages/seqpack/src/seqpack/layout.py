@@ -50,7 +50,8 @@ class PackedLayout:
         return self.total_len - sum(self.padded_lengths)
 
 
-def _round_up(value: int, multiple: int) -> int:
+def round_up(value: int, multiple: int) -> int:
+    """The smallest multiple of `multiple` that is >= `value` (the one rounding rule of every layout)."""
     return -(-value // multiple) * multiple
 
 
@@ -89,11 +90,11 @@ def build_layout(
     for i, n in enumerate(lengths):
         if n < 1:
             raise ValueError(f"sequence {i} has length {n}; every sequence needs length >= 1")
-    padded = [_round_up(n, pad_multiple) for n in lengths]
+    padded = [round_up(n, pad_multiple) for n in lengths]
     cu = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
     cu_padded = torch.tensor([0, *padded], dtype=torch.int64).cumsum(0)
     used = int(cu_padded[-1])
-    total = _round_up(used, total_multiple)
+    total = round_up(used, total_multiple)
     # Segment s (each padded sequence, then the tail) covers [seg_start[s], seg_start[s] + seg_len[s]).
     seg_len = torch.tensor([*padded, total - used], dtype=torch.int64)
     seg_start = torch.cat([cu_padded, cu_padded[-1:]])[: len(seg_len)]

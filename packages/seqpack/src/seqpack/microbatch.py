@@ -1,6 +1,7 @@
 """Token-budget micro-batching (dynamic batching), padded or packed, with the permutation back.
 
-Owns `MicroBatchPlan` and `plan_micro_batches`. A micro-batch's cost is what the engine computes on:
+Owns `MicroBatchPlan`, `plan_micro_batches` and `plan_dp_micro_batches` (the same number of micro-batches
+on every data-parallel rank, which both engines call). A micro-batch's cost is what the engine computes on:
 packed, the sum of the sequences' lengths rounded up to `round_to`; padded, the number of sequences times
 the longest one (rounded). Sequences are reordered by length only within windows of `sort_window`
 consecutive sequences, and `MicroBatchPlan.restore` puts per-sequence outputs back in input order.
@@ -13,17 +14,20 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
+import torch
+import torch.distributed as dist
 
 from ._validate import as_lengths, check_positive_int
 from .balance import balance_partitions
 from .binpack import pack_bins
+from .layout import round_up
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MicroBatchPlan", "micro_batch_cost", "plan_micro_batches"]
+__all__ = ["MicroBatchPlan", "micro_batch_cost", "plan_dp_micro_batches", "plan_micro_batches"]
 
 T = TypeVar("T")
 
@@ -69,7 +73,7 @@ def micro_batch_cost(
     lengths: Sequence[int], indices: Sequence[int], *, packing: bool, round_to: int = 1
 ) -> int:
     """Tokens the engine computes for one micro-batch: packed sum or padded len * max, lengths rounded up."""
-    costs = [-(-int(lengths[i]) // round_to) * round_to for i in indices]
+    costs = [round_up(int(lengths[i]), round_to) for i in indices]
     if not costs:
         return 0
     return sum(costs) if packing else len(costs) * max(costs)
@@ -126,6 +130,31 @@ def plan_micro_batches(
     micro_batches = _ensure_min(micro_batches, min_micro_batches, costs, packing)
     logger.debug("planned %d micro-batches for %d sequences", len(micro_batches), len(arr))
     return MicroBatchPlan(micro_batches)
+
+
+def plan_dp_micro_batches(
+    lengths: Sequence[int] | np.ndarray, *, group: Any = None, device: torch.device | str = "cpu", **limits: Any
+) -> MicroBatchPlan:
+    """`plan_micro_batches(lengths, **limits)` with the same number of micro-batches on every rank of `group`.
+
+    Every micro-batch runs collectives (FSDP all-gathers, DDP reductions, megatron's schedules), so a rank
+    with fewer or shorter sequences must run as many as the busiest rank: the count is all-reduced (max) over
+    `group` and a rank below it re-plans with `min_micro_batches` (its costliest micro-batches split, or
+    empty ones appended, which the engine runs as zero-weight dummies). `limits` use one rule for
+    `round_to`: the multiple every sequence's padded length is a multiple of in the engine's layout (for a
+    padded layout with a length quantum as well: `math.lcm` of both), so a micro-batch's cost is never less
+    than the tokens the engine runs. `device`: where the count is reduced (cuda for an NCCL group).
+    Without an initialised process group (or with one rank) this is `plan_micro_batches`.
+    """
+    plan = plan_micro_batches(lengths, **limits)
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return plan
+    count = torch.tensor([plan.num_micro_batches], dtype=torch.int64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    most = int(count.item())
+    if most == plan.num_micro_batches:
+        return plan
+    return plan_micro_batches(lengths, **{**limits, "min_micro_batches": most})
 
 
 def _by_decreasing_cost(idx: np.ndarray, costs: np.ndarray) -> list[int]:
