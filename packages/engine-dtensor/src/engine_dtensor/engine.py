@@ -1,6 +1,7 @@
 """`DTensorEngine`: rl-core's TrainingEngine for Hugging Face causal LMs on FSDP2 + DTensor TP.
 
-Owns the engine's life cycle: process group and mesh, model loading, micro-batch planning with
+Owns the engine's life cycle: process group and mesh, model initialisation (meta device, sharded,
+weights streamed into the shards: loading.py), micro-batch planning with
 seqpack (every DP rank runs the same number of micro-batches, which FSDP's collectives need), the
 global loss normalisers, the optimizer step, checkpoints, export and offload. How the model is
 sharded lives in parallelize.py, the forward pass and logprob alignment in forward.py, vocab-parallel
@@ -14,7 +15,6 @@ import logging
 import math
 from collections.abc import Iterator
 from contextlib import nullcontext
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ from engine_dtensor import checkpoint
 from engine_dtensor.attention import SEGMENT_SDPA
 from engine_dtensor.config import DTensorConfig
 from engine_dtensor.forward import build_packed_inputs, build_padded_inputs, forward_logprobs
+from engine_dtensor.loading import build_meta_model, materialize
 from engine_dtensor.optim import build_optimizer, build_scheduler, clip_grads_
 from engine_dtensor.parallel_dims import ParallelDims
 from engine_dtensor.parallelize import parallelize
@@ -62,17 +63,6 @@ def resolve_attn_implementation(requested: str, device: torch.device, precision:
     return SEGMENT_SDPA
 
 
-def load_hf_model(path: str, attn_impl: str) -> torch.nn.Module:
-    """The HF causal LM at local dir `path`, fp32 master weights (compute dtype is FSDP's job)."""
-    from transformers import AutoModelForCausalLM
-
-    if not (Path(path) / "config.json").exists():
-        raise ValueError(
-            f"policy.model_name={path!r} is not a local Hugging Face checkpoint (no config.json)"
-        )
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_impl)
-
-
 @register_engine("dtensor")
 class DTensorEngine(TrainingEngine):
     """FSDP2 (+ DTensor TP) training engine; `batch` arguments are this DP rank's shard (`train_batch`:
@@ -97,10 +87,11 @@ class DTensorEngine(TrainingEngine):
         self.attn_impl = resolve_attn_implementation(
             self.cfg.attn_implementation, self.device, self.cfg.precision
         )
-        self.model = load_hf_model(policy.model_name, self.attn_impl)
-        if not self.cfg.cpu_offload:
-            self.model.to(self.device)
+        # torchtitan's order: shapes on the meta device, shard, then storage and weights for the shards only
+        # (fp32 master weights; the compute dtype is FSDP's job), so no rank ever holds the whole model.
+        self.model = build_meta_model(policy.model_name, self.attn_impl)
         parallelize(self.model, self.parallel_dims, self.cfg)
+        materialize(self.model, policy.model_name, torch.device("cpu") if self.cfg.cpu_offload else self.device)
         self.optimizer = build_optimizer(self.model.parameters(), policy.optimizer)
         self.scheduler = build_scheduler(self.optimizer, policy.scheduler)
 

@@ -1,0 +1,87 @@
+"""Meta-device initialisation with weights streamed from safetensors into the shards gives exactly the model
+that `from_pretrained` loads: every parameter and buffer bitwise, on 1 rank, FSDP over 2 ranks and TP=2;
+with a multi-file checkpoint, tied embeddings and llama3 rope scaling (a non-default inv_freq)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from engine_dtensor.engine import DTensorEngine
+from engine_dtensor.loading import build_meta_model, materialize
+from engine_dtensor.parallelize import hf_name
+from engine_dtensor.testing import make_policy
+from rl_core.testing.distributed import run_distributed
+from rl_core.testing.tiny_models import save_tiny_checkpoint
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+
+
+def _engine_state(rank: int, world: int, path: str, tp: int) -> dict | None:
+    """Full parameters and buffers of the engine's model, by HF name (rank 0)."""
+    engine = DTensorEngine(make_policy(path, dtensor_cfg={"tensor_parallel_size": tp}))
+    out = {}
+    for name, tensor in [*engine.model.named_parameters(), *engine.model.named_buffers()]:
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        out[hf_name(name)] = full.detach().clone()
+    return out if rank == 0 else None
+
+
+def _plain_state(path: str) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return {n: t.detach() for n, t in [*model.named_parameters(), *model.named_buffers()]}
+
+
+def _assert_bitwise(state: dict, ref: dict) -> None:
+    assert state.keys() == ref.keys()
+    for name in ref:
+        assert torch.equal(state[name], ref[name]), f"{name} differs from from_pretrained"
+
+
+@pytest.fixture(scope="module")
+def sharded_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Multi-file checkpoints (several safetensors shards + index), built once."""
+    root = tmp_path_factory.mktemp("meta-init")
+    return {
+        "qwen3": str(save_tiny_checkpoint(root / "qwen3", "qwen3", seed=5, max_shard_size="200KB")),
+        "llama_tied": str(save_tiny_checkpoint(root / "llama_tied", "llama", seed=6, max_shard_size="200KB",
+                                               tie_word_embeddings=True, rope_scaling=LLAMA3_ROPE)),
+    }
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("arch", "world", "tp"), [("qwen3", 1, 1), ("llama_tied", 2, 1), ("qwen3", 2, 1),
+                                                    ("qwen3", 2, 2)])
+def test_meta_init_equals_from_pretrained(sharded_ckpts: dict, arch: str, world: int, tp: int) -> None:
+    path = sharded_ckpts[arch]
+    assert len(list(Path(path).glob("*.safetensors"))) > 1  # really streamed file by file
+    state = run_distributed(_engine_state, world, args=(path, tp))[0]
+    _assert_bitwise(state, _plain_state(path))
+
+
+def test_tied_embedding_stays_tied_after_materialize(sharded_ckpts: dict) -> None:
+    import torch.distributed as dist
+
+    path = sharded_ckpts["llama_tied"]
+    model = build_meta_model(path, "sdpa")
+    assert not dist.is_initialized()  # no process group needed for a plain (unsharded) model
+    materialize(model, path, torch.device("cpu"))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    _assert_bitwise({n: t for n, t in [*model.named_parameters(), *model.named_buffers()]}, _plain_state(path))
+
+
+def test_checkpoint_without_a_tensor_names_it(tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path = save_tiny_checkpoint(tmp_path / "ckpt", "qwen2", seed=1)
+    weights = load_file(path / "model.safetensors")
+    del weights["model.norm.weight"]
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"no tensor for \['model.norm.weight'\]"):
+        materialize(build_meta_model(str(path), "sdpa"), str(path), torch.device("cpu"))
