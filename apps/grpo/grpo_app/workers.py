@@ -54,13 +54,15 @@ class GeneratorHost:
 
 @ray.remote
 class PolicyWorker(GeneratorHost):
-    """One training rank: a `TrainingEngine` (and, with a KL penalty, a frozen reference engine); with
+    """One training rank: a `TrainingEngine` (with a KL penalty, also the reference policy: a weights-only
+    copy inside the engine when it implements `ReferencePolicy`, else a second engine); with
     `generation.in_policy_workers`, also a generation backend that refits by an in-process copy."""
 
     def __init__(self, policy: Any, rank: int, world_size: int, master: tuple[str, int], *,
                  with_reference: bool, num_threads: int = 1) -> None:
         import torch.distributed as dist
 
+        from rl_core.interfaces import ReferencePolicy
         from rl_core.registry import create_engine
 
         _setup_process(num_threads)
@@ -70,15 +72,23 @@ class PolicyWorker(GeneratorHost):
         dist.init_process_group(backend, rank=rank, world_size=world_size)
         self.rank = rank
         self.engine = create_engine(policy)
-        self.reference = create_engine(policy) if with_reference else None
+        # Taken before any checkpoint is loaded: on resume the reference is still the initial model.
+        self.reference = None
+        if with_reference and isinstance(self.engine, ReferencePolicy):
+            self.engine.snapshot_reference()
+        elif with_reference:  # an engine without the weights-only reference: a second, frozen engine
+            self.reference = create_engine(policy)
         self.refit: RefitGroup | None = None
 
     def layout(self) -> tuple[int, int]:
         return self.engine.dp_rank, self.engine.dp_size
 
     def compute_logprobs(self, batch: Any, reference: bool = False) -> list[torch.Tensor]:
-        engine = self.reference if reference else self.engine
-        return engine.compute_logprobs(batch)
+        if not reference:
+            return self.engine.compute_logprobs(batch)
+        if self.reference is None:
+            return self.engine.compute_ref_logprobs(batch)
+        return self.reference.compute_logprobs(batch)
 
     def train(self, batch: Any, loss_fn: Any) -> dict[str, float]:
         metrics = self.engine.train_batch(batch, loss_fn)

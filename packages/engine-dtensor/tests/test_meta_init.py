@@ -1,6 +1,7 @@
 """Meta-device initialisation with weights streamed from safetensors into the shards gives exactly the model
 that `from_pretrained` loads: every parameter and buffer bitwise, on 1 rank, FSDP over 2 ranks and TP=2;
-with a multi-file checkpoint, tied embeddings and llama3 rope scaling (a non-default inv_freq)."""
+with a multi-file checkpoint, tied embeddings, llama3 rope scaling (a non-default inv_freq) and MoE experts
+(stored per expert, fused in memory)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ def sharded_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("meta-init")
     return {
         "qwen3": str(save_tiny_checkpoint(root / "qwen3", "qwen3", seed=5, max_shard_size="200KB")),
+        # transformers fuses the experts in memory: per-expert tensors, spread over files, make one parameter
+        "qwen3_moe": str(save_tiny_checkpoint(root / "qwen3_moe", "qwen3_moe", seed=7, max_shard_size="200KB")),
         "llama_tied": str(save_tiny_checkpoint(root / "llama_tied", "llama", seed=6, max_shard_size="200KB",
                                                tie_word_embeddings=True, rope_scaling=LLAMA3_ROPE)),
     }
@@ -57,7 +60,7 @@ def sharded_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(("arch", "world", "tp"), [("qwen3", 1, 1), ("llama_tied", 2, 1), ("qwen3", 2, 1),
-                                                    ("qwen3", 2, 2)])
+                                                    ("qwen3", 2, 2), ("qwen3_moe", 2, 1)])
 def test_meta_init_equals_from_pretrained(sharded_ckpts: dict, arch: str, world: int, tp: int) -> None:
     path = sharded_ckpts[arch]
     assert len(list(Path(path).glob("*.safetensors"))) > 1  # really streamed file by file

@@ -19,6 +19,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
 
 import seqpack
 from engine_dtensor import checkpoint
@@ -34,6 +35,7 @@ from rl_core.config import PolicyConfig, micro_batch_limits
 from rl_core.distributed import init_process_group
 from rl_core.interfaces import TrainingEngine
 from rl_core.metrics import all_reduce_metrics, combine_metrics
+from rl_core.reference import FrozenWeights
 from rl_core.registry import register_engine
 
 logger = logging.getLogger(__name__)
@@ -94,6 +96,7 @@ class DTensorEngine(TrainingEngine):
         materialize(self.model, policy.model_name, torch.device("cpu") if self.cfg.cpu_offload else self.device)
         self.optimizer = build_optimizer(self.model.parameters(), policy.optimizer)
         self.scheduler = build_scheduler(self.optimizer, policy.scheduler)
+        self.reference: FrozenWeights | None = None
 
     # ---- micro-batching -------------------------------------------------------------------------
 
@@ -171,6 +174,27 @@ class DTensorEngine(TrainingEngine):
             )  # compact: not views of the (B, S) rows
         return plan.restore(outputs)
 
+    def snapshot_reference(self) -> None:
+        """The current weights (this rank's shards) become the KL reference: a weights-only copy."""
+        self.reference = FrozenWeights(self.model.parameters())
+
+    def compute_ref_logprobs(self, batch: TokenBatch) -> list[Tensor]:
+        """compute_logprobs with the reference weights swapped into the model for the pass."""
+        if self.reference is None:
+            raise RuntimeError("compute_ref_logprobs before snapshot_reference(): take the reference first")
+        # FSDP2 keeps the root module's parameters unsharded between passes: drop them on both sides of
+        # the swap so that each pass all-gathers the values the shards hold now.
+        self._reshard()
+        with self.reference.swapped_in():
+            logprobs = self.compute_logprobs(batch)
+            self._reshard()
+        return logprobs
+
+    def _reshard(self) -> None:
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
     def optimizer_step(self) -> dict[str, float]:
         """Clip by the global grad norm, step (or skip if not finite), advance the LR schedule."""
         grad_norm = clip_grads_(list(self.model.parameters()), self.policy.max_grad_norm)
@@ -213,6 +237,8 @@ class DTensorEngine(TrainingEngine):
         if self.cfg.cpu_offload:
             return  # FSDP's CPUOffloadPolicy already keeps them on the host
         self.model.to(device)
+        if self.reference is not None:
+            self.reference.to(device)
         for state in self.optimizer.state.values():
             for key, value in state.items():
                 if isinstance(value, Tensor) and key != "step":

@@ -58,10 +58,11 @@ def materialize(model: nn.Module, path: str, device: torch.device) -> None:
     """Give a parallelised meta model storage on `device` and load checkpoint `path` into its shards."""
     _to_empty_keeping_ties(model, device)
     targets = _load_targets(model)
+    fused = _FusedParams(model, targets)
     loaded: set[str] = set()
     with torch.no_grad():
         for file in safetensors_files(path):
-            loaded |= _load_file(file, targets)
+            loaded |= _load_file(file, targets, fused)
         missing = sorted(set(targets) - loaded)
         if missing:
             raise ValueError(f"{path}: the checkpoint has no tensor for {missing[:5]}"
@@ -92,14 +93,55 @@ def _load_targets(model: nn.Module) -> dict[str, Tensor]:
     return targets
 
 
-def _load_file(file: Path, targets: dict[str, Tensor]) -> set[str]:
-    """Copy every tensor of one safetensors file into its target's local shard; returns the names."""
+class _FusedParams:
+    """Parameters that transformers fuses at load time (MoE experts: one (E, ...) tensor from E files'
+    tensors): which on-disk tensors make each one, and the pieces read so far (one fused tensor at a time
+    is assembled; its pieces may span files)."""
+
+    def __init__(self, model: nn.Module, targets: dict[str, Tensor]) -> None:
+        self.model, self.targets = model, targets
+        self.target_of: dict[str, str] = {}  # on-disk name -> fused parameter name
+        self.pending: dict[str, tuple[Tensor, dict[str, Tensor]]] = {}  # name -> (full, unread pieces' indices)
+        try:  # transformers >= 5: the inverse of the load-time conversion, the one save_pretrained applies
+            from transformers.core_model_loading import revert_weight_conversion
+        except ImportError:
+            return
+        self.revert = revert_weight_conversion
+        for name, target in targets.items():
+            pieces = self.revert(model, {name: torch.empty(target.shape, device="meta")})
+            if set(pieces) != {name}:
+                self.target_of.update(dict.fromkeys(pieces, name))
+
+    def add(self, key: str, piece: Tensor) -> str | None:
+        """Place one on-disk tensor; the fused parameter's name once all its pieces are in, else None."""
+        name = self.target_of[key]
+        if name not in self.pending:
+            target = self.targets[name]
+            # where each piece's elements go: the reverse conversion applied to the flat positions
+            positions = torch.arange(target.numel()).view(target.shape)
+            index = self.revert(self.model, {name: positions})
+            self.pending[name] = (torch.empty(target.shape, dtype=target.dtype), index)
+        full, index = self.pending[name]
+        full.view(-1)[index.pop(key).reshape(-1)] = piece.reshape(-1).to(full.dtype)
+        if index:
+            return None
+        _copy_into_shard(self.targets[name], full)
+        del self.pending[name]
+        return name
+
+
+def _load_file(file: Path, targets: dict[str, Tensor], fused: _FusedParams) -> set[str]:
+    """Copy every tensor of one safetensors file into its target's local shard; returns the names done."""
     from safetensors import safe_open
 
     done = set()
     with safe_open(str(file), framework="pt", device="cpu") as reader:
         for key in reader.keys():
             target = targets.get(key)
+            if target is None and key in fused.target_of:
+                finished = fused.add(key, reader.get_tensor(key))
+                done |= {finished} if finished else set()
+                continue
             if target is None:
                 if key.startswith("lm_head.") and "lm_head.weight" not in targets:
                     continue  # tied output embedding: the model reads the input embedding

@@ -38,6 +38,7 @@ from rl_core.config import PolicyConfig
 from rl_core.distributed import init_process_group
 from rl_core.interfaces import TrainingEngine
 from rl_core.metrics import all_reduce_metrics, combine_metrics
+from rl_core.reference import FrozenWeights
 from rl_core.registry import register_engine
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ class MegatronEngine(TrainingEngine):
         self.vocab_size = int(self.hf_config.vocab_size)
         self._state: _StepState | None = None
         self._offloaded: list[tuple[Any, Tensor]] = []
+        self.reference: FrozenWeights | None = None
 
     # ---- the TrainingEngine interface --------------------------------------------------------------
 
@@ -132,6 +134,17 @@ class MegatronEngine(TrainingEngine):
         self._run(mbs, state, forward_only=True)
         per_mb = broadcast_from_last_stage(state.logprobs, self.ranks)
         return mb_plan.restore(per_mb)
+
+    def snapshot_reference(self) -> None:
+        """The current weights (this rank's TP/PP/EP shards) become the KL reference: a weights-only copy."""
+        self.reference = FrozenWeights(self.model.parameters())
+
+    def compute_ref_logprobs(self, batch: TokenBatch) -> list[Tensor]:
+        """compute_logprobs with the reference weights copied into the DDP parameter buffers for the pass."""
+        if self.reference is None:
+            raise RuntimeError("compute_ref_logprobs before snapshot_reference(): take the reference first")
+        with self.reference.swapped_in():
+            return self.compute_logprobs(batch)
 
     def optimizer_step(self) -> dict[str, float]:
         """Clip (policy.max_grad_norm), step, advance the lr schedule; skip when the grad norm is not finite."""
@@ -200,6 +213,8 @@ class MegatronEngine(TrainingEngine):
     # ---- internals ----------------------------------------------------------------------------------
 
     def _device_tensors(self) -> Iterator[Tensor]:
+        if self.reference is not None:
+            yield from self.reference.saved
         for buffer in [*self.model.buffers, *self.model.expert_parallel_buffers]:
             yield buffer.param_data
             yield buffer.grad_data

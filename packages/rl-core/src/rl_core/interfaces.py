@@ -62,6 +62,17 @@ class TrainingEngine(Protocol):
 
 
 @runtime_checkable
+class ReferencePolicy(Protocol):
+    """Optional for engines: the KL reference as a weights-only copy inside the policy engine."""
+
+    def snapshot_reference(self) -> None:
+        """Keep the current weights (this rank's shards, no grads, no optimizer state) as the reference."""
+
+    def compute_ref_logprobs(self, batch: TokenBatch) -> list[Tensor]:
+        """`compute_logprobs` under the reference weights."""
+
+
+@runtime_checkable
 class ValidatesConfig(Protocol):
     """Optional for engine classes: check the engine's config section before any worker starts."""
 
