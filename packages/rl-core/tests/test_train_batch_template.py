@@ -1,5 +1,6 @@
-"""TrainingEngine.train_batch, the one template both engines inherit, and TokenBatch.dummy (the zero-weight
-micro-batch of a rank with fewer micro-batches)."""
+"""TrainingEngine.train_batch, the one template both engines inherit; TokenBatch.dummy (the zero-weight
+micro-batch of a rank with fewer micro-batches); FrozenWeights, the weights-only reference (the engines'
+tests check it against HF on sharded models)."""
 
 from __future__ import annotations
 
@@ -44,3 +45,20 @@ def test_dummy_batch_has_no_loss_tokens_and_the_same_fields() -> None:
         assert dummy.lengths == [length] and dummy.num_valid_tokens() == 0 and dummy.num_valid_seqs() == 0
         assert dummy.advantages is not None and dummy.prev_logprobs is not None
         assert dummy.gen_logprobs is None and dummy.ref_logprobs is None
+
+
+def test_frozen_weights_swap_in_and_back_exactly() -> None:
+    from rl_core.reference import FrozenWeights
+
+    model = torch.nn.Linear(4, 3)
+    initial = [p.detach().clone() for p in model.parameters()]
+    reference = FrozenWeights(model.parameters())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # "training"
+    trained = [p.detach().clone() for p in model.parameters()]
+    with reference.swapped_in():
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), initial))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), trained))
+    assert reference.nbytes == sum(p.numel() * 4 for p in model.parameters())
+    assert not any(t.requires_grad for t in reference.saved)
