@@ -3,8 +3,9 @@
 Owns the engine calls: micro-batches of a rank's DP shard run through megatron's
 `get_forward_backward_func` (so pipeline parallelism uses megatron's schedules), target logprobs and
 entropy computed vocab-parallel on the last stage and handed to the loss as flat per-token tensors with
-global normalisers, and the optimizer step. Model building and weight names come from ckpt-convert;
-batching, logprobs, the optimizer, checkpoints and process groups live in the modules beside this one.
+global normalisers, the optimizer step and the weights-only reference policy. The model config and weight
+names come from ckpt-convert; building the model (model.py), batching, logprobs, the optimizer, checkpoints
+and process groups live in the modules beside this one.
 
 Loss scaling: a `LossFn` returns this micro-batch's share of the global-batch loss (global normalisers),
 so the gradient we want is the SUM over micro-batches and DP ranks. Megatron's schedule divides each
