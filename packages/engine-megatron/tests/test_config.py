@@ -42,13 +42,12 @@ def test_transformer_keys_pass_through_and_user_wins() -> None:
 
 def _simulate_cuda(monkeypatch, *, te: bool, apex: bool) -> None:
     """CUDA present, with or without transformer-engine and apex (their import checks patched)."""
-    from ckpt_convert import mcore_model
-    from engine_megatron import config
+    from engine_megatron import config, model
 
     available = {"apply_rope_fusion": te, "gradient_accumulation_fusion": apex, "persist_layer_norm": apex,
                  "masked_softmax_fusion": apex, "bias_activation_fusion": True, "bias_dropout_fusion": True}
     monkeypatch.setattr(config, "available_fusions", lambda: dict(available))
-    monkeypatch.setattr(mcore_model, "te_available", lambda: te)
+    monkeypatch.setattr(model, "te_available", lambda: te)
 
 
 def test_cuda_without_te_or_apex_enables_only_the_torch_fusions(monkeypatch) -> None:

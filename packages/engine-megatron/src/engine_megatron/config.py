@@ -71,10 +71,10 @@ def available_fusions() -> dict[str, bool]:
 
 def attention_backend(use_cuda: bool) -> Literal["transformer_engine", "local"]:
     """The one decision between TE's layer spec (THD packing, context parallelism) and megatron's local
-    modules (block-diagonal packing): ckpt-convert's `layer_spec` and the batching both follow it."""
-    from ckpt_convert import mcore_model
+    modules (block-diagonal packing): `model.layer_spec` and the batching both follow it."""
+    from engine_megatron.model import te_available
 
-    return "transformer_engine" if use_cuda and mcore_model.te_available() else "local"
+    return "transformer_engine" if use_cuda and te_available() else "local"
 
 
 @dataclass(kw_only=True)
