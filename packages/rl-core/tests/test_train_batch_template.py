@@ -4,6 +4,7 @@ tests check it against HF on sharded models)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rl_core.batch import StepResult, TokenBatch
@@ -26,6 +27,21 @@ class _Recorder(TrainingEngine):
     def optimizer_step(self) -> dict[str, float]:
         self.calls.append("optimizer_step")
         return {"grad_norm": 2.0, "lr": 1e-3, "skipped": 0.0}
+
+    def _unused(self, *args, **kwargs):
+        raise AssertionError("train_batch must not call this")
+
+    compute_logprobs = export_hf_weights = save_hf = save_checkpoint = load_checkpoint = _unused
+    offload = onload = _unused
+
+
+def test_an_engine_missing_a_contract_method_fails_at_construction() -> None:
+    class Incomplete(TrainingEngine):
+        def zero_grad(self) -> None:
+            pass
+
+    with pytest.raises(TypeError, match="abstract method"):
+        Incomplete()
 
 
 def test_train_batch_is_zero_grad_then_forward_backward_then_step() -> None:

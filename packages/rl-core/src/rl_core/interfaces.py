@@ -6,6 +6,7 @@ contract tests in `rl_core.testing.contracts` run against every implementation.
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -17,20 +18,28 @@ from rl_core.batch import LossFn, StepResult, TokenBatch
 
 @runtime_checkable
 class TrainingEngine(Protocol):
-    """A sharded policy model that computes logprobs, takes loss gradients and steps its optimizer."""
+    """A sharded policy model that computes logprobs, takes loss gradients and steps its optimizer.
+
+    Engines subclass it (inheriting the `train_batch` template); `abstractmethod` makes a missing method
+    an error at construction instead of a silent `None` from the protocol's empty body.
+    """
 
     dp_rank: int
     dp_size: int
 
+    @abstractmethod
     def forward_backward(self, batch: TokenBatch, loss_fn: LossFn, *, forward_only: bool = False) -> StepResult:
         """Run every micro-batch of this rank's batch through `loss_fn`; accumulate grads unless forward_only."""
 
+    @abstractmethod
     def compute_logprobs(self, batch: TokenBatch) -> list[Tensor]:
         """Per-sequence target-token logprobs (L_i,), 0 at position 0 (see rl_core.batch)."""
 
+    @abstractmethod
     def optimizer_step(self) -> dict[str, float]:
         """Clip grads, step optimizer and scheduler; skip the step if the grad norm is not finite."""
 
+    @abstractmethod
     def zero_grad(self) -> None:
         """Drop accumulated gradients."""
 
@@ -42,21 +51,27 @@ class TrainingEngine(Protocol):
         step = self.optimizer_step()
         return {**result.metrics, "loss": result.loss, **step, "num_micro_batches": float(result.num_micro_batches)}
 
+    @abstractmethod
     def export_hf_weights(self) -> Iterator[tuple[str, Tensor]]:
         """Full (unsharded) tensors under Hugging Face names, one at a time (for refit)."""
 
+    @abstractmethod
     def save_hf(self, path: str) -> None:
         """A Hugging Face model directory (config, safetensors, tokenizer files) at `path`; every rank calls it."""
 
+    @abstractmethod
     def save_checkpoint(self, path: str) -> None:
         """Write model, optimizer, scheduler and RNG state atomically to `path`."""
 
+    @abstractmethod
     def load_checkpoint(self, path: str) -> None:
         """Restore everything `save_checkpoint` wrote."""
 
+    @abstractmethod
     def offload(self) -> None:
         """Move parameters, grads and optimizer state to host memory (colocated generation)."""
 
+    @abstractmethod
     def onload(self) -> None:
         """Bring them back to the training device."""
 
