@@ -10,6 +10,7 @@ early, by `validate_engine_section` here.
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -20,6 +21,7 @@ from grpo_app.devices import Hardware, detect_hardware, resolve_auto
 from rl_core.config import ConfigError, PolicyConfig, parse_config, unknown_key_error
 from rl_core.losses import LossConfig
 
+logger = logging.getLogger(__name__)
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "cpu_default.yaml"
 
@@ -83,11 +85,16 @@ class EnvConfig:
     use_chat_template: bool = False
     system_prompt: str | None = None
     num_generated_train_prompts: int = 4096
+    # the run stops when at least this share of one batch's reward calls fail (raise, time out, crash,
+    # return None / NaN / a non-number); 1.0: only when all fail, 0.0: at the first failure
+    max_failed_reward_fraction: float = 1.0
     prompt_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the built-in prompt generator
 
     def __post_init__(self) -> None:
         if self.num_workers < 0:
             raise ConfigError(f"env.num_workers must be >= 0 (0: score in the driver); got {self.num_workers}")
+        if not 0.0 <= self.max_failed_reward_fraction <= 1.0:
+            raise ConfigError(f"env.max_failed_reward_fraction={self.max_failed_reward_fraction} must be in [0, 1]")
 
 
 @dataclass(kw_only=True)
@@ -164,6 +171,21 @@ def _merge(base: dict, override: dict) -> dict:
     return out
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that rejects a key given twice in one mapping (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise ConfigError(f"{key_node.start_mark.name}:{line}: duplicate key {key!r} (first given on line "
+                                  f"{seen[key]}); keep one of them")
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
     """Read a YAML config, resolving `defaults: other.yaml` (relative to the file) recursively."""
     path = Path(path).resolve()
@@ -172,9 +194,19 @@ def load_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
     if path in _seen:
         raise ConfigError(f"config 'defaults:' cycle: {' -> '.join(str(p) for p in (*_seen, path))}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        loader = _UniqueKeyLoader(path.read_text())
+        loader.name = str(path)  # marks (line numbers in errors) name the file
+        try:
+            data = loader.get_single_data()
+        finally:
+            loader.dispose()
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of config sections (policy:, grpo:, ...); "
+                          f"got a {type(data).__name__}")
     parents = data.pop("defaults", None)
     merged: dict = {}
     for parent in [parents] if isinstance(parents, str) else parents or []:
@@ -217,8 +249,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (),
     from grpo_app.refit import refit_path
 
     data = load_yaml(path or DEFAULT_CONFIG)
+    file_env = copy.deepcopy(data.get("env")) if isinstance(data.get("env"), dict) else {}
     for assignment in overrides:
         apply_override(data, assignment)
+    _reset_env_kwargs(data, file_env, overrides)
     names = [f for f in GRPOConfig.__dataclass_fields__]
     for key in data:
         if key not in names:
@@ -226,3 +260,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (),
     cfg = parse_config(GRPOConfig, resolve_auto(data, hardware or detect_hardware()))
     refit_path(cfg)  # a placement that cannot work fails here, naming the keys
     return cfg
+
+
+def _reset_env_kwargs(data: dict, file_env: dict, overrides: list[str]) -> None:
+    """`env.name=X` on the command line drops the file's env.kwargs / env.prompt_kwargs, which belong to the
+    file's environment (repeat_char's answer_len would break `math`); those set on the command line stay."""
+    env = data.get("env")
+    if not isinstance(env, dict) or "name" not in file_env or env.get("name") == file_env["name"]:
+        return
+    for section in ("kwargs", "prompt_kwargs"):
+        given = {o.split("=", 1)[0].strip().split(".")[2] for o in overrides if o.startswith(f"env.{section}.")}
+        if any(o.startswith(f"env.{section}=") for o in overrides) or not isinstance(env.get(section), dict):
+            continue
+        dropped = {k: v for k, v in file_env.get(section, {}).items() if k not in given}
+        if dropped:
+            logger.info("env.name=%s replaces %s: dropping the file's env.%s %s", env["name"], file_env["name"],
+                        section, dropped)
+            env[section] = {k: v for k, v in env[section].items() if k not in dropped}

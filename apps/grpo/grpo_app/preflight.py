@@ -1,25 +1,152 @@
 """Checks that run before any worker starts: every input the run needs exists and is valid.
 
 Resolves `tiny:<arch>` model names to a locally built, cached tiny checkpoint (the CPU default), and
-asks the registries for the engine, generation backend and environment, so that a typo or a missing
-package fails here with a message naming the key, not minutes later inside a Ray actor.
+checks what would otherwise fail minutes later inside a Ray actor: counts and sizes, the engine layout
+against `cluster.train_world_size`, the optimizer, `generation.backend_kwargs` and `env.kwargs` against
+the constructors they are passed to, the model directory (grpo_app.model_check) and `cluster.address`.
+Every failure is a ConfigError naming the key or file and the fix; main() turns it into exit code 2.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
+import math
+import socket
+from collections.abc import Callable, Collection
 from pathlib import Path
+from typing import Any
 
 from grpo_app.config import GRPOConfig
 from grpo_app.devices import check_hardware, detect_hardware
+from grpo_app.model_check import check_model_dir
 from grpo_app.model_shapes import SHAPE_PREFIX, cached_shape_checkpoint
-from rl_core.config import ConfigError
+from rl_core.config import (
+    BUILTIN_ENGINE_SECTIONS,
+    ConfigError,
+    OptimizerConfig,
+    closest_key,
+    to_dict,
+    unknown_key_error,
+)
 from rl_core.interfaces import ValidatesConfig
 from rl_core.registry import ENGINES, GENERATION_BACKENDS
 
 logger = logging.getLogger(__name__)
 TINY_PREFIX = "tiny:"
+ADDRESS_PROBE_TIMEOUT_S = 10.0
+
+# The smallest sensible value of every integer of the typed configs (tests check that none is missing).
+INT_BOUNDS: dict[str, int] = {
+    "policy.train_global_batch_size": 1, "policy.train_micro_batch_size": 1, "policy.logprob_batch_size": 1,
+    "policy.scheduler.warmup_steps": 0, "policy.scheduler.total_steps": 1,
+    "policy.sequence_packing.train_mb_tokens": 1, "policy.sequence_packing.logprob_mb_tokens": 1,
+    "policy.dynamic_batching.train_mb_tokens": 1, "policy.dynamic_batching.logprob_mb_tokens": 1,
+    "policy.dynamic_batching.sequence_length_round": 1,
+    "grpo.num_prompts_per_step": 1, "grpo.num_generations_per_prompt": 2, "grpo.max_steps": 1,
+    "grpo.val_every": 0, "grpo.num_val_prompts": 1, "grpo.seed": 0, "grpo.max_dynamic_sampling_rounds": 1,
+    "generation.max_new_tokens": 1, "generation.top_k": 0, "generation.num_workers": 1,
+    "env.num_workers": 0, "env.num_generated_train_prompts": 1,
+    "cluster.num_nodes": 1, "cluster.gpus_per_node": 0, "cluster.train_world_size": 1, "cluster.num_cpus": 1,
+    "checkpointing.save_every": 1, "checkpointing.keep_top_k": 1,
+}
+
+
+def check_bounds(cfg: GRPOConfig) -> None:
+    """Counts and sizes where 0 (or a negative value) makes no sense: the key, the value and the bound."""
+    tree = to_dict(cfg)
+    for dotted, low in INT_BOUNDS.items():
+        value: Any = tree
+        for part in dotted.split("."):
+            value = value[part]
+        if value is not None and value < low:
+            raise ConfigError(f"{dotted}={value} must be >= {low}")
+    if not 0.0 < cfg.generation.top_p <= 1.0:
+        raise ConfigError(f"generation.top_p={cfg.generation.top_p} must be in (0, 1]")
+
+
+def check_kwargs(target: Callable[..., Any], kwargs: dict[str, Any], key: str, *, given: Collection[str] = ()) -> None:
+    """`kwargs` (config section `key`) fit `target`'s signature: unknown keys name the closest valid one,
+    missing required ones are named; `given` are the arguments the caller passes itself."""
+    params = inspect.signature(target).parameters
+    names = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n not in given]
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        for name in kwargs:
+            if name not in names:
+                raise unknown_key_error(key, name, names)
+    for name in names:
+        if params[name].default is inspect.Parameter.empty and name not in kwargs:
+            raise ConfigError(f"{key}.{name} is required by {getattr(target, '__qualname__', target)}; set it")
+
+
+def check_optimizer(optimizer: OptimizerConfig) -> None:
+    """The optimizer is a torch.optim class and accepts its kwargs (torch's own value checks included)."""
+    import torch
+
+    cls = getattr(torch.optim, optimizer.name, None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        names = [n for n in dir(torch.optim) if isinstance(getattr(torch.optim, n), type)
+                 and issubclass(getattr(torch.optim, n), torch.optim.Optimizer) and n != "Optimizer"]
+        near = closest_key(optimizer.name, names)
+        hint = f"; did you mean '{near}'?" if near else f"; choose one of {sorted(names)}"
+        raise ConfigError(f"policy.optimizer.name={optimizer.name!r} is not a torch.optim optimizer{hint}")
+    check_kwargs(cls, optimizer.kwargs, "policy.optimizer.kwargs", given=("params",))
+    lr = optimizer.kwargs["lr"]
+    if isinstance(lr, bool) or not isinstance(lr, int | float) or not math.isfinite(lr) or lr < 0:
+        raise ConfigError(f"policy.optimizer.kwargs.lr={lr!r} must be a finite number >= 0")
+    try:
+        cls([torch.nn.Parameter(torch.zeros(1))], **optimizer.kwargs)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"policy.optimizer.kwargs {optimizer.kwargs} are rejected by torch.optim."
+                          f"{optimizer.name}: {exc}") from None
+
+
+def _model_parallel(engine_cfg: Any) -> dict[str, int]:
+    """The model-parallel degrees an engine's validated section sets (megatron: tp/pp/cp; dtensor: TP)."""
+    degrees = {name: getattr(engine_cfg, name) for name in ("tp", "pp", "cp") if hasattr(engine_cfg, name)}
+    if not degrees and hasattr(engine_cfg, "tensor_parallel_size"):
+        degrees = {"tp": engine_cfg.tensor_parallel_size}
+    return degrees
+
+
+def check_layout(cfg: GRPOConfig, engine_cfg: Any) -> None:
+    """The engine's TP x PP x CP divides `cluster.train_world_size`, and TP divides the attention heads."""
+    import json
+
+    degrees = _model_parallel(engine_cfg)
+    product = math.prod(degrees.values())
+    section = "policy." + ("engine_cfg" if cfg.policy.engine_cfg
+                           else BUILTIN_ENGINE_SECTIONS.get(cfg.policy.engine_name, "engine_cfg"))
+    world = cfg.cluster.train_world_size
+    if world % product:
+        layout = " x ".join(f"{k.upper()}={v}" for k, v in degrees.items())
+        raise ConfigError(f"cluster.train_world_size={world} is not a multiple of {section}'s model-parallel size "
+                          f"{layout} = {product}; change the parallel sizes in {section} or cluster.train_world_size")
+    hf = json.loads((Path(cfg.policy.model_name) / "config.json").read_text())
+    heads = hf.get("num_attention_heads")
+    kv_heads = hf.get("num_key_value_heads") or heads
+    tp = degrees.get("tp", 1)
+    if heads and (heads % tp or kv_heads % tp):
+        raise ConfigError(f"{section}: tensor parallel size {tp} must divide the model's attention heads ({heads}) "
+                          f"and key/value heads ({kv_heads}); choose a divisor of {math.gcd(heads, kv_heads)}")
+
+
+def check_cluster_address(address: str | None) -> None:
+    """A `host:port` cluster address must accept a TCP connection within seconds (else ray.init would hang)."""
+    if address in (None, "", "auto", "local"):
+        return
+    host_port = address.split("://", 1)[-1]
+    host, sep, port = host_port.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ConfigError(f"cluster.address={address!r} is not host:port (or 'auto'); e.g. 10.0.0.1:6379")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=ADDRESS_PROBE_TIMEOUT_S):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"cluster.address={address!r}: nothing answers at {host}:{port} within "
+                          f"{ADDRESS_PROBE_TIMEOUT_S:.0f} s ({exc}); start the cluster there (`ray start --head "
+                          f"--port={port}`) or leave cluster.address unset for a local Ray") from None
 
 
 def resolve_model(cfg: GRPOConfig) -> GRPOConfig:
@@ -43,18 +170,13 @@ def resolve_model(cfg: GRPOConfig) -> GRPOConfig:
     return dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, model_name=name))
 
 
-def preflight(cfg: GRPOConfig) -> GRPOConfig:
-    """Validate what the config points at; returns the config with the model path resolved."""
-    cfg = resolve_model(cfg)
-    check_hardware(cfg.cluster, detect_hardware())
-    engine_cls = ENGINES.get(cfg.policy.engine_name, config_key=cfg.policy.engine_config_key)
-    if isinstance(engine_cls, ValidatesConfig):
-        engine_cls.validate_config(cfg.policy)
-    GENERATION_BACKENDS.get(cfg.generation.backend, config_key="generation.backend")
-    from rollout.environments import environment_names, toy_prompts
+def check_environment(cfg: GRPOConfig) -> None:
+    """`env.*`: a registered environment whose constructor accepts `env.kwargs`, and prompts to train on."""
+    from rollout.environments import environment_factory, environment_names, toy_prompts
 
     if cfg.env.name not in environment_names():
         raise ConfigError(f"env.name={cfg.env.name!r} is not known; choose one of {environment_names()}")
+    check_kwargs(environment_factory(cfg.env.name), cfg.env.kwargs, "env.kwargs")
     for key in ("train_data", "val_data"):
         path = getattr(cfg.env, key)
         if path is not None and not Path(path).is_file():
@@ -67,4 +189,21 @@ def preflight(cfg: GRPOConfig) -> GRPOConfig:
                 f"env.name={cfg.env.name!r} has no built-in prompts ({exc}); set env.train_data and env.val_data "
                 "to local prompt files"
             ) from exc
+
+
+def preflight(cfg: GRPOConfig) -> GRPOConfig:
+    """Validate what the config points at; returns the config with the model path resolved."""
+    check_bounds(cfg)
+    check_optimizer(cfg.policy.optimizer)
+    engine_cls = ENGINES.get(cfg.policy.engine_name, config_key=cfg.policy.engine_config_key)
+    engine_cfg = engine_cls.validate_config(cfg.policy) if isinstance(engine_cls, ValidatesConfig) else None
+    backend_cls = GENERATION_BACKENDS.get(cfg.generation.backend, config_key="generation.backend")
+    check_kwargs(backend_cls, cfg.generation.backend_kwargs, "generation.backend_kwargs", given=("model_path",))
+    check_environment(cfg)
+    cfg = resolve_model(cfg)
+    check_hardware(cfg.cluster, detect_hardware())
+    check_model_dir(cfg.policy.model_name)
+    if engine_cfg is not None:
+        check_layout(cfg, engine_cfg)
+    check_cluster_address(cfg.cluster.address)
     return cfg

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
+import shutil
+import time
+import typing
 
+import pytest
 import ray
 
+from grpo_app.config import DEFAULT_CONFIG, GRPOConfig, load_config
 from grpo_app.main import main
+from grpo_app.model_check import check_model_dir
+from grpo_app.preflight import INT_BOUNDS, preflight
+from rl_core.testing.tiny_models import cached_tiny_checkpoint
 
 SMALL = ["grpo.num_val_prompts=4", "logger.tensorboard=false"]
 
@@ -52,3 +62,167 @@ def test_unknown_environment_and_backend(caplog):
 def test_missing_data_file(caplog):
     code, text = run_main(caplog, "env.train_data=/no/such/file.jsonl")
     assert code == 2 and "does not exist" in text
+
+
+# ---- issue 17: each row of the hardening table that preflight owns --------------------------------------
+
+
+@pytest.mark.parametrize("override, message", [
+    ("grpo.num_prompts_per_step=0", "grpo.num_prompts_per_step=0 must be >= 1"),
+    ("cluster.train_world_size=0", "cluster.train_world_size=0 must be >= 1"),
+    ("checkpointing.save_every=0", "checkpointing.save_every=0 must be >= 1"),
+    ("generation.num_workers=0", "generation.num_workers=0 must be >= 1"),
+    ("generation.max_new_tokens=0", "generation.max_new_tokens=0 must be >= 1"),
+    ("generation.top_p=0", "generation.top_p=0.0 must be in (0, 1]"),
+    ("policy.optimizer.name=Adamm", "policy.optimizer.name='Adamm' is not a torch.optim optimizer; did you mean 'Adam'?"),
+    ("policy.optimizer.kwargs.lrr=1e-3", "unknown config key 'policy.optimizer.kwargs.lrr'; did you mean "
+                                         "'policy.optimizer.kwargs.lr'?"),
+    ("policy.optimizer.kwargs.lr=-1", "policy.optimizer.kwargs.lr=-1 must be a finite number >= 0"),
+    ("policy.optimizer.kwargs.betas=[0.9,2.0]", "rejected by torch.optim.AdamW: Invalid beta parameter"),
+    ("env.kwargs.answer_lenn=3", "unknown config key 'env.kwargs.answer_lenn'; did you mean 'env.kwargs.answer_len'?"),
+    ("env.name=function", "env.kwargs.fn is required by FunctionEnvironment"),
+    ("cluster.address=127.0.0.1:1", "cluster.address='127.0.0.1:1': nothing answers at 127.0.0.1:1"),
+    ("cluster.address=nohost", "cluster.address='nohost' is not host:port"),
+])
+def test_bad_value_fails_before_ray(caplog, override, message):
+    start = time.monotonic()
+    code, text = run_main(caplog, override)
+    assert code == 2 and message in text, text
+    assert time.monotonic() - start < 15
+
+
+def test_every_int_field_has_a_bound():
+    """INT_BOUNDS decides every integer of the typed configs (a new field must be added there)."""
+    def int_fields(cls, prefix=""):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            kind = hints[f.name]
+            if dataclasses.is_dataclass(kind):
+                yield from int_fields(kind, f"{prefix}{f.name}.")
+            elif kind is int or int in typing.get_args(kind):
+                yield prefix + f.name
+    assert sorted(int_fields(GRPOConfig)) == sorted(INT_BOUNDS)
+
+
+def test_backend_kwargs_typo_names_the_closest_key(caplog):
+    code, text = run_main(caplog, "generation.backend_kwargs.max_num_seq=8")
+    assert code == 2 and "did you mean 'generation.backend_kwargs.max_num_seqs'?" in text
+
+
+def test_env_name_on_the_command_line_drops_the_files_env_kwargs(caplog, tmp_path):
+    """The default file's env.kwargs (repeat_char's answer_len) belong to its environment: `env.name=math`
+    starts from math's own defaults, and a typo in math's kwargs still names the key."""
+    data = tmp_path / "math.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    cfg = preflight(load_config(None, ["env.name=math", f"env.train_data={data}", f"env.val_data={data}"]))
+    assert cfg.env.kwargs == {}
+    code, text = run_main(caplog, "env.name=math", f"env.train_data={data}", f"env.val_data={data}",
+                          "env.kwargs.require_boxd=true")
+    assert code == 2 and "did you mean 'env.kwargs.require_boxed'?" in text
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["policy.dtensor_cfg.tensor_parallel_size=3", "cluster.train_world_size=2"],
+     "cluster.train_world_size=2 is not a multiple of policy.dtensor_cfg's model-parallel size TP=3 = 3"),
+    (["policy.dtensor_cfg.tensor_parallel_size=3", "cluster.train_world_size=3"],
+     "tensor parallel size 3 must divide the model's attention heads"),
+    (["policy.megatron_cfg.enabled=true", "policy.megatron_cfg.tensor_model_parallel_size=3",
+      "cluster.train_world_size=2"],
+     "cluster.train_world_size=2 is not a multiple of policy.megatron_cfg's model-parallel size TP=3 x PP=1 x CP=1"),
+])
+def test_engine_layout_against_world_size(caplog, overrides, message):
+    code, text = run_main(caplog, *overrides)
+    assert code == 2 and message in text, text
+
+
+# ---- the model directory ---------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def model_dir(tmp_path):
+    src = cached_tiny_checkpoint("qwen2", seed=42)
+    dst = tmp_path / "model"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _rewrite_weights(model_dir, edit):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(model_dir / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_model_type_unknown(caplog, model_dir):
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "model_type": "foobar"}))
+    code, text = run_main(caplog, f"policy.model_name={model_dir}")
+    assert code == 2 and "model_type='foobar' is not an architecture transformers knows" in text
+
+
+def test_truncated_safetensors(caplog, model_dir):
+    path = model_dir / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+    code, text = run_main(caplog, f"policy.model_name={model_dir}")
+    assert code == 2 and "model.safetensors: truncated safetensors file: tensor" in text
+    path.write_bytes(path.read_bytes()[:20])
+    code, text = run_main(caplog, f"policy.model_name={model_dir}")
+    assert code == 2 and "truncated safetensors file (header of" in text
+
+
+def test_missing_tensor(caplog, model_dir):
+    _rewrite_weights(model_dir, lambda t: t.pop("model.layers.0.mlp.down_proj.weight"))
+    code, text = run_main(caplog, f"policy.model_name={model_dir}")
+    assert code == 2 and "lacks 1 tensor(s)" in text and "model.layers.0.mlp.down_proj.weight" in text
+
+
+def test_wrong_shape(caplog, model_dir):
+    def shrink(tensors):
+        tensors["model.layers.0.self_attn.q_proj.weight"] = tensors["model.layers.0.self_attn.q_proj.weight"][:-1]
+    _rewrite_weights(model_dir, shrink)
+    code, text = run_main(caplog, f"policy.model_name={model_dir}")
+    assert code == 2 and "tensor 'model.layers.0.self_attn.q_proj.weight' has shape" in text
+
+
+def test_tied_embeddings_may_be_absent(model_dir):
+    """A tied lm_head is not stored by save_pretrained; the check must not ask for it."""
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    _rewrite_weights(model_dir, lambda t: t.pop("lm_head.weight", None))
+    check_model_dir(model_dir)
+
+
+def test_missing_tokenizer(caplog, model_dir):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model_dir / name).unlink()
+    code, text = run_main(caplog, f"policy.model_name={model_dir}")
+    assert code == 2 and "has no tokenizer" in text and "tokenizer.save_pretrained" in text
+
+
+# ---- YAML and prompt files ------------------------------------------------------------------------------
+
+
+def test_top_level_yaml_list(caplog, tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- policy\n- grpo\n")
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="grpo"):
+        assert main(["--config", str(path)]) == 2
+    assert "the top level must be a mapping" in caplog.text and str(path) in caplog.text
+
+
+def test_duplicate_yaml_key_names_file_and_line(caplog, tmp_path):
+    path = tmp_path / "dup.yaml"
+    path.write_text(f"defaults: {DEFAULT_CONFIG}\ngrpo:\n  max_steps: 3\n  seed: 1\n  max_steps: 5\n")
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="grpo"):
+        assert main(["--config", str(path)]) == 2
+    assert f"{path}:5: duplicate key 'max_steps' (first given on line 3)" in caplog.text
+
+
+def test_prompt_that_is_an_int(caplog, tmp_path):
+    bad = tmp_path / "ints.jsonl"
+    bad.write_text('{"prompt": "qk:2"}\n{"prompt": 7}\n')
+    code, text = run_main(caplog, f"env.train_data={bad}", f"env.val_data={bad}")
+    assert code == 2 and f"{bad}:2: field 'prompt' is int '7'" in text

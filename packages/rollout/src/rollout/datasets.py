@@ -46,8 +46,23 @@ def _check_jsonl(path: Path, prompt_key: str) -> int:
             if prompt_key not in record:
                 raise ValueError(f"{path}:{lineno}: no {prompt_key!r} field (found {sorted(record)}); set "
                                  f"prompt_key to the column that holds the prompt")
+            problem = prompt_problem(record[prompt_key])
+            if problem:
+                raise ValueError(f"{path}:{lineno}: field {prompt_key!r} {problem}")
             count += 1
     return count
+
+
+def prompt_problem(prompt: Any) -> str | None:
+    """Why `prompt` is neither a string nor a list of chat messages {"role", "content"}; None if it is one."""
+    if isinstance(prompt, str):
+        return None
+    if isinstance(prompt, list) and prompt and all(
+            isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in prompt):
+        return None
+    return (f"is {type(prompt).__name__} {str(prompt)[:60]!r}; a prompt is a string or a non-empty list of chat "
+            'messages {"role": ..., "content": ...}')
 
 
 def _read_rows(path: Path, prompt_key: str) -> Any:
@@ -70,9 +85,12 @@ def _read_rows(path: Path, prompt_key: str) -> Any:
 def render_prompt(prompt: str | list[Mapping[str, str]], tokenizer: Any, *, apply_chat_template: bool,
                   system_prompt: str | None = None) -> str:
     """The prompt text the model sees: plain, or through the tokenizer's chat template."""
+    problem = prompt_problem(prompt)
+    if problem:
+        raise ValueError(f"the prompt {problem}")
     if not apply_chat_template:
         if not isinstance(prompt, str):
-            raise ValueError("a prompt given as chat messages needs apply_chat_template=True")
+            raise ValueError("a prompt given as chat messages needs a chat template: set env.use_chat_template=true")
         return prompt
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
     if system_prompt is not None and messages[0].get("role") != "system":
@@ -86,9 +104,12 @@ def build_examples(records: Iterable[Mapping[str, Any]], tokenizer: Any, *, prom
                    apply_chat_template: bool = False, system_prompt: str | None = None) -> list[PromptExample]:
     """Records {prompt_key: ..., other: ...} -> PromptExamples (used for files and the toy generators)."""
     examples = []
-    for record in records:
-        text = render_prompt(record[prompt_key], tokenizer, apply_chat_template=apply_chat_template,
-                             system_prompt=system_prompt)
+    for number, record in enumerate(records, start=1):
+        try:
+            text = render_prompt(record[prompt_key], tokenizer, apply_chat_template=apply_chat_template,
+                                 system_prompt=system_prompt)
+        except ValueError as exc:
+            raise ValueError(f"record {number}, field {prompt_key!r}: {exc}") from None
         # A chat template writes its own special tokens; a plain prompt gets the tokenizer's (e.g. BOS).
         if apply_chat_template:
             ids = tokenizer.encode(text, add_special_tokens=False)
@@ -111,7 +132,10 @@ def load_prompt_dataset(path: str | Path, tokenizer: Any, *, prompt_key: str = "
     rows = _read_rows(path, prompt_key)
     if limit is not None:
         rows = rows.select(range(min(limit, len(rows))))
-    examples = build_examples(rows, tokenizer, prompt_key=prompt_key, apply_chat_template=apply_chat_template,
-                              system_prompt=system_prompt)
+    try:
+        examples = build_examples(rows, tokenizer, prompt_key=prompt_key, apply_chat_template=apply_chat_template,
+                                  system_prompt=system_prompt)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
     logger.info("loaded %d prompts from %s", len(examples), path)
     return examples

@@ -6,10 +6,12 @@ from rollout.environments import builtin
 from rollout.environments.base import (
     FunctionEnvironment,
     create_environment,
+    environment_factory,
     environment_names,
     register_environment,
 )
 from rollout.environments.builtin import toy_prompts
 
-__all__ = ["FunctionEnvironment", "builtin", "create_environment", "environment_names", "register_environment",
+__all__ = ["FunctionEnvironment", "builtin", "create_environment", "environment_factory",
+           "environment_names", "register_environment",
            "toy_prompts"]

@@ -35,12 +35,17 @@ def environment_names() -> list[str]:
     return sorted(_ENVIRONMENTS)
 
 
-def create_environment(name: str, **kwargs: Any) -> Environment:
-    """Build environment `name` (config key `env.name`); an unknown name lists the registered ones."""
+def environment_factory(name: str) -> Callable[..., Environment]:
+    """The class or factory registered as `name` (its signature is what `env.kwargs` must fit)."""
     if name not in _ENVIRONMENTS:
         raise ValueError(f"env.name={name!r} is not a registered environment; choose one of {environment_names()} "
                          f"(or 'function' with fn='pkg.module:function')")
-    return _ENVIRONMENTS[name](**kwargs)
+    return _ENVIRONMENTS[name]
+
+
+def create_environment(name: str, **kwargs: Any) -> Environment:
+    """Build environment `name` (config key `env.name`); an unknown name lists the registered ones."""
+    return environment_factory(name)(**kwargs)
 
 
 @register_environment("function")
