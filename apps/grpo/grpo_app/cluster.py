@@ -22,7 +22,7 @@ from grpo_app.workers import GenerationWorker, PolicyWorker, RewardWorker
 from rl_core.batch import TokenBatch
 from rl_core.distributed import free_port
 from rl_core.interfaces import Completion, RewardRequest, RewardResult, SamplingParams
-from rollout.environments import create_environment
+from rollout.environments import check_reward_failures, create_environment
 from seqpack import balance_partitions
 
 logger = logging.getLogger(__name__)
@@ -204,11 +204,20 @@ class Workers:
             ray.get([g.sleep.remote() for g in self.generators] + [w.onload.remote() for w in self.policy])
 
     def submit_score(self, requests: list[RewardRequest]) -> Callable[[], list[RewardResult]]:
-        """Start scoring now (reward actors, or the driver's environment on a thread); call the result to wait."""
+        """Start scoring now (reward actors, or the driver's environment on a thread); call the result to wait.
+        Waiting raises RewardFailureError when env.max_failed_reward_fraction of the batch's calls failed."""
         if self.local_env is not None:
-            return self._scoring.submit(self.local_env.score, requests).result
-        refs = [w.score.remote(p) for w, p in zip(self.rewarders, _split(requests, len(self.rewarders))) if p]
-        return lambda: [r for part in ray.get(refs) for r in part]
+            wait = self._scoring.submit(self.local_env.score, requests).result
+        else:
+            refs = [w.score.remote(p) for w, p in zip(self.rewarders, _split(requests, len(self.rewarders))) if p]
+            wait = lambda: [r for part in ray.get(refs) for r in part]  # noqa: E731
+
+        def checked() -> list[RewardResult]:
+            results = wait()
+            check_reward_failures(results, self.cfg.env.max_failed_reward_fraction, "env.max_failed_reward_fraction")
+            return results
+
+        return checked
 
     def shutdown(self) -> None:
         for actor in (*self.policy, *([] if self.in_process else self.generators), *self.rewarders):

@@ -17,6 +17,7 @@ from grpo_app.checkpoint import ResumePoint
 from grpo_app.config import GRPOConfig, load_config
 from grpo_app.preflight import preflight
 from rl_core.config import ConfigError, to_dict
+from rollout.environments.base import RewardFailureError
 
 logger = logging.getLogger("grpo")
 
@@ -62,5 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError, ValueError) as exc:  # CheckpointError is a ValueError
         logger.error("%s", exc)
         return 2
-    run_training(cfg, inputs, resume_point)
+    try:
+        run_training(cfg, inputs, resume_point)
+    except RewardFailureError as exc:  # the reward function is broken: one line, not a Ray traceback
+        logger.error("%s", exc)
+        return 1
     return 0

@@ -59,14 +59,22 @@ def call_reward(fn: Any, kwargs: dict[str, Any], prompt: str, completion: str, m
         return ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}")
 
 
-def worker_main(conn: Any, fn_path: str, kwargs: dict[str, Any]) -> None:
-    """Import the function, report readiness, then answer (task_id, prompt, completion, metadata) forever."""
+def worker_main(conn: Any, fn_path: str, kwargs: dict[str, Any], scratch: str, memory_limit_mb: int | None) -> None:
+    """Confine this process (rollout._sandbox), import the function, report readiness and the sandbox
+    layers that hold, then answer (task_id, prompt, completion, metadata) forever."""
+    import os
+    import sys
+
+    from rollout._sandbox import confine
+
+    sys.path[:] = [os.path.abspath(p) for p in sys.path]  # '' (the launch directory) must survive the chdir
     try:
+        held = confine(scratch, memory_limit_mb)
         fn = resolve_function(fn_path)
     except Exception as exc:
         conn.send(("init_error", str(exc)))
         return
-    conn.send(("ready", None))
+    conn.send(("ready", held))
     while True:
         try:
             message = conn.recv()

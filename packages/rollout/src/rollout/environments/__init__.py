@@ -1,10 +1,12 @@
 """Reward environments (rl-core `Environment`): a registry by name, the built-ins (`math`, `repeat_char`,
 `copy_digits`) and `function` for a user's `pkg.module:function`, all scored in a subprocess pool with a
-per-call time limit (rollout.environments.pool)."""
+time limit, memory limit and sandbox (rollout.environments.pool, rollout._sandbox)."""
 
 from rollout.environments import builtin
 from rollout.environments.base import (
     FunctionEnvironment,
+    RewardFailureError,
+    check_reward_failures,
     create_environment,
     environment_factory,
     environment_names,
@@ -12,6 +14,6 @@ from rollout.environments.base import (
 )
 from rollout.environments.builtin import toy_prompts
 
-__all__ = ["FunctionEnvironment", "builtin", "create_environment", "environment_factory",
+__all__ = ["FunctionEnvironment", "RewardFailureError", "builtin", "check_reward_failures", "create_environment", "environment_factory",
            "environment_names", "register_environment",
            "toy_prompts"]

@@ -3,8 +3,9 @@ registry (`register_environment`, `create_environment`).
 
 A reward function is called as `fn(prompt=str, completion=str, metadata=dict, **fn_kwargs)` and returns
 a float, a bool, a dict with "reward" (and optionally "correct"), or an object with `.reward`. A call
-that raises, returns anything else, times out or kills its worker scores 0 with `error` set; the counts
-are in `last_metrics` (`reward/errors` for raised / bad values / crashes, `reward/timeouts`).
+that raises, returns anything else (None, NaN, a string), times out or kills its worker scores 0 with
+`error` set; the counts are in `last_metrics` (`reward/errors` for raised / bad values / crashes,
+`reward/timeouts`), and `check_reward_failures` turns too many of them into `RewardFailureError`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,19 @@ def environment_names() -> list[str]:
     return sorted(_ENVIRONMENTS)
 
 
+class RewardFailureError(RuntimeError):
+    """Too many reward calls of one batch failed: training on their zeros would learn nothing."""
+
+
+def check_reward_failures(results: Sequence[RewardResult], max_failed_fraction: float, key: str) -> None:
+    """Raise RewardFailureError when failed calls reach `max_failed_fraction` of `results` (config `key`)."""
+    failed = [r for r in results if r.error is not None]
+    if failed and len(failed) >= max_failed_fraction * len(results):
+        raise RewardFailureError(
+            f"{len(failed)} of {len(results)} reward calls failed (>= {key}={max_failed_fraction}); first: "
+            f"{failed[0].error.splitlines()[0][:300]}. Fix the reward function, or raise {key} to train on")
+
+
 def environment_factory(name: str) -> Callable[..., Environment]:
     """The class or factory registered as `name` (its signature is what `env.kwargs` must fit)."""
     if name not in _ENVIRONMENTS:
@@ -53,8 +67,9 @@ class FunctionEnvironment:
     """Scores completions with the reward function at import path `fn` in `num_workers` subprocesses."""
 
     def __init__(self, fn: str, *, num_workers: int = 2, timeout_s: float = 10.0,
-                 fn_kwargs: dict[str, Any] | None = None) -> None:
-        self.pool = RewardPool(fn, num_workers=num_workers, timeout_s=timeout_s, fn_kwargs=fn_kwargs)
+                 fn_kwargs: dict[str, Any] | None = None, memory_limit_mb: int | None = 4096) -> None:
+        self.pool = RewardPool(fn, num_workers=num_workers, timeout_s=timeout_s, fn_kwargs=fn_kwargs,
+                               memory_limit_mb=memory_limit_mb)
         self.last_metrics: dict[str, float] = {}
 
     def score(self, requests: Sequence[RewardRequest]) -> list[RewardResult]:

@@ -13,27 +13,29 @@ from rollout.rewards.toy import TOY_TASKS
 
 
 @register_environment("math")
-def make_math_environment(*, num_workers: int = 2, timeout_s: float = 10.0, require_boxed: bool = False
-                          ) -> FunctionEnvironment:
+def make_math_environment(*, num_workers: int = 2, timeout_s: float = 10.0, require_boxed: bool = False,
+                          memory_limit_mb: int | None = 4096) -> FunctionEnvironment:
     """Math answers checked with math-verify (reference answer in metadata['answer'])."""
     return FunctionEnvironment("rollout.rewards.math_answer:math_reward", num_workers=num_workers,
-                               timeout_s=timeout_s, fn_kwargs={"require_boxed": require_boxed})
+                               timeout_s=timeout_s, fn_kwargs={"require_boxed": require_boxed},
+                               memory_limit_mb=memory_limit_mb)
 
 
 @register_environment("repeat_char")
 def make_repeat_char_environment(*, num_workers: int = 1, timeout_s: float = 10.0, answer_len: int = 4,
-                                 stop_bonus: float = 0.2) -> FunctionEnvironment:
+                                 stop_bonus: float = 0.2, memory_limit_mb: int | None = 4096) -> FunctionEnvironment:
     """Toy task: repeat the character the prompt names `answer_len` times, then stop."""
     return FunctionEnvironment(TOY_TASKS["repeat_char"][1], num_workers=num_workers, timeout_s=timeout_s,
-                               fn_kwargs={"answer_len": answer_len, "stop_bonus": stop_bonus})
+                               fn_kwargs={"answer_len": answer_len, "stop_bonus": stop_bonus},
+                               memory_limit_mb=memory_limit_mb)
 
 
 @register_environment("copy_digits")
-def make_copy_digits_environment(*, num_workers: int = 1, timeout_s: float = 10.0, stop_bonus: float = 0.2
-                                 ) -> FunctionEnvironment:
+def make_copy_digits_environment(*, num_workers: int = 1, timeout_s: float = 10.0, stop_bonus: float = 0.2,
+                                 memory_limit_mb: int | None = 4096) -> FunctionEnvironment:
     """Toy task: copy the digit string at the end of the prompt, then stop."""
     return FunctionEnvironment(TOY_TASKS["copy_digits"][1], num_workers=num_workers, timeout_s=timeout_s,
-                               fn_kwargs={"stop_bonus": stop_bonus})
+                               fn_kwargs={"stop_bonus": stop_bonus}, memory_limit_mb=memory_limit_mb)
 
 
 def toy_prompts(task: str, num: int, *, split: str = "train", seed: int = 0, **kwargs: Any) -> list[dict[str, Any]]:

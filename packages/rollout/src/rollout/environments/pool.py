@@ -1,8 +1,9 @@
-"""`RewardPool`: run a reward function in worker subprocesses, each call under a time limit.
+"""`RewardPool`: run a reward function in sandboxed worker subprocesses under a time limit.
 
-Owns process management only: a crashed worker (segfault, os._exit, OOM kill) or one that overruns the
-per-call limit is killed and replaced, and that one call scores an error; the batch goes on. Which
-function runs and how results become `RewardResult`s is rollout.environments.base's business.
+Owns process management only: a crashed worker (segfault, os._exit, OOM kill) is replaced and that one
+call scores an error; a call that overruns the limit ends its batch (see `RewardPool`). Which function
+runs and how results become `RewardResult`s is rollout.environments.base's business; what confines a
+worker (memory, files, network) is rollout._sandbox's.
 
 Workers are started with `spawn` (no inherited torch threads or CUDA state) and import only
 rollout._reward_worker plus the reward function, so a replacement starts in well under a second.
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import shutil
+import tempfile
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from rollout._reward_worker import call_reward, resolve_function, worker_main
+from rollout._reward_worker import worker_main
 
 logger = logging.getLogger(__name__)
 
@@ -37,12 +40,15 @@ class CallOutcome:
 
 
 class _Worker:
-    def __init__(self, ctx: Any, fn_path: str, kwargs: dict[str, Any]) -> None:
+    def __init__(self, ctx: Any, fn_path: str, kwargs: dict[str, Any], memory_limit_mb: int | None) -> None:
+        self.scratch = tempfile.mkdtemp(prefix="reward-scratch-")
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=worker_main, args=(child, fn_path, kwargs), daemon=True)
+        self.process = ctx.Process(target=worker_main, args=(child, fn_path, kwargs, self.scratch, memory_limit_mb),
+                                   daemon=True)
         self.process.start()
         child.close()
         self.fn_path = fn_path
+        self.sandbox: list[str] = []
 
     def wait_ready(self) -> _Worker:
         """Block until the worker imported the function; ValueError if the import failed."""
@@ -56,6 +62,7 @@ class _Worker:
         if status == "init_error":
             self.kill()
             raise ValueError(message)
+        self.sandbox = message
         return self
 
     def kill(self) -> None:
@@ -63,27 +70,43 @@ class _Worker:
             self.process.kill()
         self.process.join(timeout=5)
         self.conn.close()
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 class RewardPool:
-    """`num_workers` subprocesses running `fn_path` (pkg.module:function); 0 = in-process, no time limit."""
+    """`num_workers` sandboxed subprocesses (rollout._sandbox) running `fn_path` (pkg.module:function).
+
+    Time limit: each call gets `timeout_s`; the first call of a batch to overrun it ends the batch: its
+    worker and every busy one are killed, and the calls not yet scored fail as timeouts. So a function
+    that hangs costs at most `timeout_s` per batch, not per call. `num_workers=0` is read as 1: a reward
+    function never runs in the calling process, where a hung call could not be stopped.
+    """
 
     def __init__(self, fn_path: str, *, num_workers: int = 2, timeout_s: float = 10.0,
-                 fn_kwargs: dict[str, Any] | None = None) -> None:
+                 fn_kwargs: dict[str, Any] | None = None, memory_limit_mb: int | None = 4096) -> None:
         if num_workers < 0:
-            raise ValueError(f"reward num_workers={num_workers}; expected >= 0 (0 runs rewards in-process)")
+            raise ValueError(f"reward num_workers={num_workers}; expected >= 0 (0 is read as 1)")
         if not timeout_s > 0:
             raise ValueError(f"reward timeout_s={timeout_s}; expected > 0 seconds")
-        self.fn_path, self.num_workers, self.timeout_s = fn_path, num_workers, timeout_s
-        self.fn_kwargs = dict(fn_kwargs or {})
+        if memory_limit_mb is not None and memory_limit_mb < 64:
+            raise ValueError(f"reward memory_limit_mb={memory_limit_mb}; expected >= 64 (or None: no limit)")
+        self.fn_path, self.num_workers, self.timeout_s = fn_path, max(num_workers, 1), timeout_s
+        self.fn_kwargs, self.memory_limit_mb = dict(fn_kwargs or {}), memory_limit_mb
         self._ctx = mp.get_context("spawn")
         self._workers: list[_Worker] = []
-        self._local_fn = resolve_function(fn_path) if num_workers == 0 else None
         self._ensure_workers()  # a bad import path fails here, at setup, not in the first step
+        logger.info("reward pool for %s: %d sandboxed worker(s) (%s)", fn_path, self.num_workers,
+                    ", ".join(self.sandbox))
+
+    @property
+    def sandbox(self) -> list[str]:
+        """The confinement layers that hold in the workers (see rollout._sandbox)."""
+        return self._workers[0].sandbox if self._workers else []
 
     def _ensure_workers(self) -> None:
         # Start all, then wait for all: imports (sympy for math-verify: seconds) overlap.
-        fresh = [_Worker(self._ctx, self.fn_path, self.fn_kwargs) for _ in range(self.num_workers - len(self._workers))]
+        fresh = [_Worker(self._ctx, self.fn_path, self.fn_kwargs, self.memory_limit_mb)
+                 for _ in range(self.num_workers - len(self._workers))]
         try:
             ready = [w.wait_ready() for w in fresh]
         except Exception:
@@ -94,8 +117,6 @@ class RewardPool:
 
     def run(self, calls: Sequence[tuple[str, str, dict[str, Any]]]) -> list[CallOutcome]:
         """Score (prompt, completion, metadata) triples; one outcome per call, in order."""
-        if self._local_fn is not None:
-            return [self._outcome(call_reward(self._local_fn, self.fn_kwargs, *c)) for c in calls]
         self._ensure_workers()
         results: list[CallOutcome | None] = [None] * len(calls)
         pending = deque(range(len(calls)))
@@ -119,13 +140,24 @@ class RewardPool:
                     continue
                 results[task] = self._outcome(payload)
                 idle.append(worker)
-            now = time.monotonic()
-            for conn, (worker, task, deadline) in list(busy.items()):
-                if now >= deadline:
-                    del busy[conn]
-                    results[task] = CallOutcome("timeout", message=f"reward call exceeded {self.timeout_s} s")
-                    idle.append(self._replace(worker))
+            late = [task for worker, task, deadline in busy.values() if time.monotonic() >= deadline]
+            if late:
+                self._end_batch(late[0], busy, pending, results)
         return [r if r is not None else CallOutcome("error", message="no result") for r in results]
+
+    def _end_batch(self, late: int, busy: dict[Connection, tuple[_Worker, int, float]], pending: deque,
+                   results: list[CallOutcome | None]) -> None:
+        """Call `late` overran the limit: kill every busy worker and fail what is left of the batch."""
+        message = f"reward call {late} of this batch exceeded {self.timeout_s} s; the rest of the batch is skipped"
+        for worker, task, _ in busy.values():
+            worker.kill()
+            self._workers.remove(worker)
+            results[task] = CallOutcome("timeout", message=message)
+        for task in pending:
+            results[task] = CallOutcome("timeout", message=message)
+        busy.clear()
+        pending.clear()
+        logger.warning("%s (%s)", message, self.fn_path)
 
     @staticmethod
     def _outcome(payload: tuple) -> CallOutcome:
@@ -135,9 +167,9 @@ class RewardPool:
 
     def _replace(self, worker: _Worker) -> _Worker:
         worker.kill()
-        fresh = _Worker(self._ctx, self.fn_path, self.fn_kwargs).wait_ready()
+        fresh = _Worker(self._ctx, self.fn_path, self.fn_kwargs, self.memory_limit_mb).wait_ready()
         self._workers[self._workers.index(worker)] = fresh
-        logger.warning("replaced reward worker for %s (crash or timeout)", self.fn_path)
+        logger.warning("replaced crashed reward worker for %s", self.fn_path)
         return fresh
 
     def close(self) -> None:
