@@ -4,7 +4,6 @@ handling of crashes, timeouts and bad return values (counted, scored 0, run goes
 from __future__ import annotations
 
 import textwrap
-import time
 
 import pytest
 
