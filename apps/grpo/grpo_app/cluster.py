@@ -1,6 +1,6 @@
 """Placement and fan-out: start Ray, place the worker groups, and give the loop batch-level calls.
 
-Owns: `ray.init` (a local Ray bound to 127.0.0.1, or `cluster.address`), the placement group on GPU
+Owns: `ray.init` (a local Ray whose servers listen on 127.0.0.1 only, or `cluster.address`), the placement group on GPU
 clusters, DP sharding of batches (token-balanced with seqpack), the refit wiring, and colocation
 (offload the policy / wake the generator around generation). The loop sees one object, `Workers`.
 """
@@ -14,12 +14,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import ray
+import ray._private.ray_constants as ray_constants
 import torch
 
 from grpo_app.config import GRPOConfig
 from grpo_app.refit import RefitPath, refit_path
 from grpo_app.workers import GenerationWorker, PolicyWorker, RewardWorker
 from rl_core.batch import TokenBatch
+from rl_core.config import ConfigError
 from rl_core.distributed import free_port
 from rl_core.interfaces import Completion, RewardRequest, RewardResult, SamplingParams
 from rollout.environments import check_reward_failures, create_environment
@@ -28,19 +30,36 @@ from seqpack import balance_partitions
 logger = logging.getLogger(__name__)
 
 
+LOOPBACK = "127.0.0.1"
+
+
 def start_ray(cfg: GRPOConfig) -> None:
+    """Join `cluster.address` (Ray's token authentication left as the cluster sets it), or start a local
+    Ray whose every server listens on 127.0.0.1 only."""
     if ray.is_initialized():
         return
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if cfg.cluster.address:
         logger.info("joining Ray cluster at %s", cfg.cluster.address)
-        ray.init(address=cfg.cluster.address, log_to_driver=True)
-    else:
-        # Ray starts workers at niceness 15 (to keep its own daemons responsive); here the workers are the
-        # training itself, and on a shared machine niceness 15 hands their cores to any other process.
-        os.environ.setdefault("RAY_worker_niceness", "0")
-        ray.init(num_cpus=cfg.cluster.num_cpus or os.cpu_count(), include_dashboard=False,
-                 _node_ip_address="127.0.0.1", log_to_driver=True, configure_logging=False)
+        try:
+            ray.init(address=cfg.cluster.address, log_to_driver=True)
+        except (ConnectionError, RuntimeError) as exc:
+            raise ConfigError(f"cluster.address={cfg.cluster.address!r}: Ray could not join a cluster there "
+                              f"({str(exc).splitlines()[0]}); check the address and, if the cluster uses token "
+                              "authentication, RAY_AUTH_TOKEN (see apps/grpo/README.md)") from None
+        return
+    # A local Ray has no other node to reach, so nothing needs to authenticate to it: no token.
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # Ray replaces a loopback node IP by the machine's address (so other nodes could join) and then its
+    # GCS, raylet and worker gRPC servers listen on every interface; with "cluster mode" off it keeps
+    # 127.0.0.1 and they listen on loopback only. Ray reads the switch at import: set the constant too,
+    # and the variable for the processes Ray starts.
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    # Ray starts workers at niceness 15 (to keep its own daemons responsive); here the workers are the
+    # training itself, and on a shared machine niceness 15 hands their cores to any other process.
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    ray.init(num_cpus=cfg.cluster.num_cpus or os.cpu_count(), include_dashboard=False,
+             _node_ip_address=LOOPBACK, log_to_driver=True, configure_logging=False)
 
 
 def _split(items: Sequence[Any], parts: int) -> list[list[Any]]:
@@ -89,7 +108,7 @@ class Placement:
     def rendezvous(self, rank: int) -> tuple[str, int]:
         """(ip, free port) on the node of policy rank `rank`; 127.0.0.1 for a local CPU run."""
         if self.group is None and not self.cfg.cluster.address:
-            return "127.0.0.1", free_port()
+            return LOOPBACK, free_port()
         return ray.get(_node_address.options(**{k: v for k, v in self._options(rank, 0).items()
                                                  if k != "num_gpus"}).remote())
 

@@ -65,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         run_training(cfg, inputs, resume_point)
+    except ConfigError as exc:  # found only once Ray runs (e.g. cluster.address answers but is no Ray)
+        logger.error("%s", exc)
+        return 2
     except RewardFailureError as exc:  # the reward function is broken: one line, not a Ray traceback
         logger.error("%s", exc)
         return 1

@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import enum
 import logging
+import socket
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -88,13 +89,26 @@ def refit_in_process(named_tensors: Iterable[tuple[str, Tensor]], backend: Any) 
     return sent
 
 
+def tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout: datetime.timedelta) -> dist.TCPStore:
+    """A TCPStore whose server listens on `host` only (torch's own binds every interface: a local run
+    must not listen beyond 127.0.0.1)."""
+    if not is_master:
+        return dist.TCPStore(host, port, world_size, False, timeout=timeout)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, port))
+    listener.listen(128)
+    return dist.TCPStore(host, port, world_size, True, timeout=timeout, master_listen_fd=listener.detach())
+
+
 class RefitGroup:
     """One sender (rank 0) and `world_size - 1` receivers over a standalone gloo/NCCL group."""
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, *, device: str = "cpu",
                  timeout_s: float = 600.0) -> None:
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore(host, port, world_size, rank == 0, timeout=timeout)
+        store = tcp_store(host, port, world_size, rank == 0, timeout)
         if device == "cuda":
             self.group = dist.ProcessGroupNCCL(store, rank, world_size)
         else:

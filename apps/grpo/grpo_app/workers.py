@@ -9,6 +9,7 @@ refit tensors move over a separate `RefitGroup`, not Ray's object store.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 from collections.abc import Sequence
@@ -17,7 +18,7 @@ from typing import Any
 import ray
 import torch
 
-from grpo_app.refit import RefitGroup, refit_in_process
+from grpo_app.refit import RefitGroup, refit_in_process, tcp_store
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,8 @@ class PolicyWorker(GeneratorHost):
         os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK="0")
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        store = tcp_store(master[0], master[1], world_size, rank == 0, datetime.timedelta(minutes=10))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         self.rank = rank
         self.engine = create_engine(policy)
         # Taken before any checkpoint is loaded: on resume the reference is still the initial model.

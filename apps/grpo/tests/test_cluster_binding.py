@@ -1,0 +1,64 @@
+"""A local run listens on 127.0.0.1 only (issue 17): Ray's GCS, raylet, driver and worker servers, and the
+TCPStore + gloo sockets of a process group, listed from the kernel's socket table for the run's processes."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+
+import psutil
+import ray
+
+from grpo_app.cluster import start_ray
+from grpo_app.config import load_config
+from grpo_app.workers import free_port
+
+
+@ray.remote(num_cpus=0)
+class GroupHolder:
+    """One rank of a gloo group over the app's TCPStore, kept alive while the test lists sockets."""
+
+    def join(self, host: str, port: int) -> int:
+        import torch
+        import torch.distributed as dist
+
+        from grpo_app.refit import RefitGroup
+
+        self.group = RefitGroup(host, port, rank=0, world_size=1)
+        tensor = torch.ones(2)
+        self.group.group.allreduce([tensor]).wait()
+        return os.getpid()
+
+
+def _run_processes() -> set[int]:
+    """This driver, every process started for its Ray session, and their children."""
+    session = ray._private.worker._global_node.get_session_dir_path()
+    pids = {os.getpid()}
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if any(session in arg for arg in proc.info["cmdline"] or []):
+                pids |= {proc.pid, *(c.pid for c in proc.children(recursive=True))}
+        except psutil.Error:
+            continue
+    return pids | {c.pid for c in psutil.Process().children(recursive=True)}
+
+
+def test_local_run_listens_on_loopback_only():
+    cfg = load_config(None, ["cluster.num_cpus=1"])
+    start_ray(cfg)
+    try:
+        holder = GroupHolder.remote()
+        host, port = "127.0.0.1", free_port()
+        worker_pid = ray.get(holder.join.remote(host, port))
+        pids = _run_processes()
+        assert worker_pid in pids
+        listening = [(c.laddr.ip, c.laddr.port, c.pid) for c in psutil.net_connections(kind="inet")
+                     if c.status == psutil.CONN_LISTEN and c.pid in pids]
+        names = {psutil.Process(pid).name() for _, _, pid in listening}
+        assert {"gcs_server", "raylet"} <= names and any(p == port for _, p, _ in listening)
+        exposed = [(ip, p, psutil.Process(pid).name()) for ip, p, pid in listening
+                   if not (ipaddress.ip_address(ip).is_loopback or ip.startswith("::ffff:127."))]
+        assert not exposed, f"listening beyond loopback: {exposed}"
+        assert len(listening) >= 5
+    finally:
+        ray.shutdown()
