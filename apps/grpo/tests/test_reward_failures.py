@@ -1,0 +1,100 @@
+"""Reward functions that fail every call stop the run with one line (issue 17): raises, NaN, a string,
+None, or a hang. The app's scoring path (`Workers.score`) in the default run; whole `python apps/grpo`
+runs in the slow lane."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from grpo_app.cluster import Workers
+from grpo_app.config import load_config
+from rl_core.interfaces import RewardRequest
+from rollout.environments import RewardFailureError, create_environment
+
+ROOT = Path(__file__).resolve().parents[3]
+BROKEN = textwrap.dedent('''
+    import itertools, time
+
+    _calls = itertools.count()
+
+    def broken(*, prompt, completion, metadata):
+        kind = next(_calls) % 4
+        if kind == 0:
+            raise RuntimeError("reward backend unreachable")
+        return [float("nan"), "high", None][kind - 1]
+
+    def half(*, prompt, completion, metadata):
+        return None if next(_calls) % 2 else 1.0
+
+    def hang(*, prompt, completion, metadata):
+        time.sleep(600)
+''')
+
+
+@pytest.fixture()
+def broken_module(tmp_path, monkeypatch):
+    (tmp_path / "broken_rewards.py").write_text(BROKEN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+def _workers(overrides: list[str], fn: str) -> Workers:
+    """The app's Workers with rewards scored in the driver (env.num_workers=0), no Ray needed."""
+    workers = Workers.__new__(Workers)
+    workers.cfg = load_config(None, overrides)
+    workers.rewarders = []
+    workers.local_env = create_environment("function", fn=fn, num_workers=1, timeout_s=1.0)
+    return workers
+
+
+@pytest.mark.parametrize("fn, cause", [("broken_rewards:broken", "RuntimeError: reward backend unreachable"),
+                                       ("broken_rewards:hang", "exceeded 1.0 s")])
+def test_a_batch_of_failed_rewards_stops_the_run(broken_module, fn, cause):
+    workers = _workers(["env.num_workers=0"], fn)
+    requests = [RewardRequest(prompt="qk:2", completion="2222", metadata={})] * 8
+    try:
+        start = time.monotonic()
+        with pytest.raises(RewardFailureError, match=rf"8 of 8 reward calls failed .*{cause}"):
+            workers.score(requests)
+        assert time.monotonic() - start < 5
+    finally:
+        workers.local_env.close()
+
+
+def test_a_tolerated_share_of_failures_goes_on(broken_module):
+    """Half the calls return None: the default (stop only when all fail) goes on, 0.5 stops."""
+    requests = [RewardRequest(prompt="qk:2", completion="2222", metadata={})] * 8
+    for fraction, stops in ((1.0, False), (0.5, True)):
+        workers = _workers(["env.num_workers=0", f"env.max_failed_reward_fraction={fraction}"], "broken_rewards:half")
+        try:
+            if stops:
+                with pytest.raises(RewardFailureError, match=r"4 of 8 .*env.max_failed_reward_fraction=0.5"):
+                    workers.score(requests)
+            else:
+                assert [r.reward for r in workers.score(requests)] == [1.0, 0.0] * 4
+        finally:
+            workers.local_env.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fn", ["broken_rewards:broken", "broken_rewards:hang"])
+def test_whole_run_exits_1_with_one_line(broken_module, tmp_path, fn):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "qk:{d}"}}\n' for d in range(8)))
+    env = {**os.environ, "PYTHONPATH": f"{broken_module}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    command = [sys.executable, str(ROOT / "apps/grpo"), "grpo.num_prompts_per_step=4",
+               "grpo.num_generations_per_prompt=4", "policy.train_global_batch_size=16", "grpo.val_every=0",
+               "grpo.max_steps=2", "logger.tensorboard=false", "logger.progress_bar=false", "logger.plot=false",
+               "checkpointing.enabled=false", f"logger.log_dir={tmp_path / 'run'}", "env.name=function",
+               f"env.kwargs.fn={fn}", "env.kwargs.timeout_s=1", f"env.train_data={prompts}",
+               f"env.val_data={prompts}", "env.num_workers=0", "generation.in_policy_workers=true"]
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "16 of 16 reward calls failed (>= env.max_failed_reward_fraction=1.0)" in proc.stderr
