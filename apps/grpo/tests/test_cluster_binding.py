@@ -20,7 +20,6 @@ class GroupHolder:
 
     def join(self, host: str, port: int) -> int:
         import torch
-        import torch.distributed as dist
 
         from grpo_app.refit import RefitGroup
 
