@@ -3,8 +3,11 @@
 Ray reads RAY_ENABLE_UV_RUN_RUNTIME_ENV when it is imported: under `uv run` it would otherwise rebuild the
 whole workspace into a fresh venv for its workers (minutes at startup); the driver's venv is already the
 right one for every worker on this machine. Set here, before any module of this package imports ray.
+Also read at import: how long a GCS connection may take (Ray's 30 s, retried 20 times, let a
+`cluster.address` that answers TCP but is no Ray hang for minutes; see grpo_app.cluster.start_ray).
 """
 
 import os
 
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+os.environ.setdefault("RAY_py_gcs_connect_timeout_s", "10")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import struct
 from pathlib import Path
 from typing import Any
@@ -77,8 +78,8 @@ def _weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _expected_parameters(config: Any) -> tuple[dict[str, tuple[int, ...]], set[str]]:
-    """(name -> shape of every persistent tensor of the architecture, names that tied weights may omit)."""
+def _expected_parameters(config: Any) -> tuple[Any, dict[str, tuple[int, ...]], set[str]]:
+    """(the meta-device model, name -> shape of every persistent tensor, names that tied weights may omit)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -90,7 +91,30 @@ def _expected_parameters(config: Any) -> tuple[dict[str, tuple[int, ...]], set[s
         output = model.get_output_embeddings()
         tied = {name for name, p in model.named_parameters(remove_duplicate=False)
                 if output is not None and p is output.weight}
-    return shapes, tied
+    return model, shapes, tied
+
+
+def _model_names(model: Any, checkpoint: dict[str, tuple[int, ...]], shapes: dict[str, tuple[int, ...]]
+                 ) -> tuple[dict[str, tuple[int, ...]], dict[str, int]]:
+    """Checkpoint tensors under the model's names, through transformers' own load-time renames and merges
+    (e.g. per-expert MoE weights stacked into one tensor): ({name: shape}, {merged name: numel of its parts})."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, rename_source_key
+    except ImportError:  # a transformers without load-time conversions: names are the model's
+        return dict(checkpoint), {}
+    transforms = get_model_conversion_mapping(model)
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+    plain: dict[str, tuple[int, ...]] = {}
+    merged: dict[str, int] = {}
+    for name, shape in checkpoint.items():
+        target, converter = rename_source_key(name, renamings, converters, model.base_model_prefix, shapes)
+        if converter is None:
+            plain[target] = shape
+        else:
+            merged[target] = merged.get(target, 0) + math.prod(shape)
+    return plain, merged
 
 
 def check_model_dir(model_dir: str | Path) -> None:
@@ -118,18 +142,23 @@ def check_model_dir(model_dir: str | Path) -> None:
         config = AutoConfig.from_pretrained(model_dir)
     except (ValueError, TypeError, OSError) as exc:
         raise ConfigError(f"{config_path}: transformers cannot read it ({exc})") from None
-    expected, tied = _expected_parameters(config)
-    missing = sorted(set(expected) - set(present) - tied)
+    model, expected, tied = _expected_parameters(config)
+    present, merged = _model_names(model, present, expected)
+    missing = sorted(set(expected) - set(present) - set(merged) - tied)
     if missing:
         raise ConfigError(f"{KEY}={str(model_dir)!r}: the checkpoint lacks {len(missing)} tensor(s) of the "
                           f"{model_type} architecture, e.g. {missing[:3]}; they would start from random values. "
                           "Re-save the full model")
     for name, shape in expected.items():
+        if name in merged and merged[name] != math.prod(shape):
+            raise ConfigError(f"{KEY}={str(model_dir)!r}: the checkpoint tensors that make up {name!r} hold "
+                              f"{merged[name]} values, the architecture needs {math.prod(shape)} ({list(shape)}); "
+                              "a piece is missing or has the wrong shape. Re-save the full model")
         if name in present and present[name] != shape:
             raise ConfigError(f"{KEY}={str(model_dir)!r}: tensor {name!r} has shape {list(present[name])} in the "
                               f"checkpoint but {list(shape)} in config.json's architecture; the weights and "
                               "config.json do not belong together")
-    extra = sorted(set(present) - set(expected))
+    extra = sorted((set(present) | set(merged)) - set(expected))
     if extra:
         logger.warning("%s: %d checkpoint tensor(s) not in the architecture are ignored, e.g. %s", model_dir,
                        len(extra), extra[:3])

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import logging
 import shutil
+import socket
+import subprocess
+import sys
+import threading
 import time
 import typing
+from pathlib import Path
 
 import pytest
 import ray
@@ -16,7 +22,8 @@ from grpo_app.config import DEFAULT_CONFIG, GRPOConfig, load_config
 from grpo_app.main import main
 from grpo_app.model_check import check_model_dir
 from grpo_app.preflight import INT_BOUNDS, preflight
-from rl_core.testing.tiny_models import cached_tiny_checkpoint
+from rl_core.config import ConfigError
+from rl_core.testing.tiny_models import ARCHITECTURES, cached_tiny_checkpoint
 
 SMALL = ["grpo.num_val_prompts=4", "logger.tensorboard=false"]
 
@@ -226,3 +233,35 @@ def test_prompt_that_is_an_int(caplog, tmp_path):
     bad.write_text('{"prompt": "qk:2"}\n{"prompt": 7}\n')
     code, text = run_main(caplog, f"env.train_data={bad}", f"env.val_data={bad}")
     assert code == 2 and f"{bad}:2: field 'prompt' is int '7'" in text
+
+
+def test_every_tiny_architecture_passes_and_a_missing_moe_expert_is_caught(tmp_path):
+    """MoE checkpoints store one tensor per expert that transformers stacks at load time: the check follows
+    transformers' own renames and merges, and still sees one expert's weight missing."""
+    for arch in ARCHITECTURES:
+        check_model_dir(cached_tiny_checkpoint(arch, seed=0))
+    model_dir = tmp_path / "mixtral"
+    shutil.copytree(cached_tiny_checkpoint("mixtral", seed=0), model_dir)
+    _rewrite_weights(model_dir, lambda t: t.pop("model.layers.0.block_sparse_moe.experts.1.w1.weight"))
+    with pytest.raises(ConfigError, match=r"tensors that make up 'model.layers.0.mlp.experts.gate_up_proj' hold"):
+        check_model_dir(model_dir)
+
+
+@pytest.mark.slow
+def test_cluster_address_that_answers_but_is_not_ray(tmp_path):
+    """TCP connects (so the preflight probe passes), but no Ray GCS answers: a clear error within 30 s of
+    starting to join (timed from the run's own log). A subprocess: Ray reads its GCS timeout at import.
+    Ray rewrites a loopback address to the machine's own, so the stand-in listens on every interface."""
+    server = socket.create_server(("0.0.0.0", 0))
+    held = []
+    threading.Thread(target=lambda: held.extend(server.accept() for _ in range(100)), daemon=True).start()
+    try:
+        proc = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1]), *SMALL,
+                               f"logger.log_dir={tmp_path}", f"cluster.address=127.0.0.1:{server.getsockname()[1]}"],
+                              capture_output=True, text=True, timeout=300)
+    finally:
+        server.close()
+    assert proc.returncode == 2 and "Ray could not join a cluster there" in proc.stderr, proc.stderr[-2000:]
+    stamps = [datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f") for line in proc.stderr.splitlines()
+              if "joining Ray cluster at" in line or "Ray could not join" in line]
+    assert len(stamps) == 2 and (stamps[1] - stamps[0]).total_seconds() < 30  # ~20 s: 5 s connect + 10 s GCS
