@@ -17,6 +17,7 @@ import ray
 import ray._private.ray_constants as ray_constants
 import torch
 
+from grpo_app import GCS_TIMEOUT_ENV, JOIN_GCS_TIMEOUT_S
 from grpo_app.config import GRPOConfig
 from grpo_app.refit import RefitPath, refit_path
 from grpo_app.workers import GenerationWorker, PolicyWorker, RewardWorker
@@ -50,6 +51,8 @@ def start_ray(cfg: GRPOConfig) -> None:
                               f"({str(exc).splitlines()[0]}); check the address and, if the cluster uses token "
                               "authentication, RAY_AUTH_TOKEN (see apps/grpo/README.md)") from None
         return
+    if os.environ.get(GCS_TIMEOUT_ENV) == JOIN_GCS_TIMEOUT_S:  # ours, for joining: Ray's agents get the default
+        del os.environ[GCS_TIMEOUT_ENV]
     # A local Ray has no other node to reach, so nothing needs to authenticate to it: no token.
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     # Ray replaces a loopback node IP by the machine's address (so other nodes could join) and then its

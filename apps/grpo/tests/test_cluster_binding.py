@@ -11,7 +11,7 @@ import ray
 
 from grpo_app.cluster import start_ray
 from grpo_app.config import load_config
-from grpo_app.workers import free_port
+from rl_core.distributed import free_port
 
 
 @ray.remote(num_cpus=0)
