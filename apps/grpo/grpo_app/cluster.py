@@ -17,7 +17,6 @@ import ray
 import ray._private.ray_constants as ray_constants
 import torch
 
-from grpo_app import GCS_TIMEOUT_ENV, JOIN_GCS_TIMEOUT_S
 from grpo_app.config import GRPOConfig
 from grpo_app.refit import RefitPath, refit_path
 from grpo_app.workers import GenerationWorker, PolicyWorker, RewardWorker
@@ -41,8 +40,9 @@ def start_ray(cfg: GRPOConfig) -> None:
         return
     if cfg.cluster.address:
         logger.info("joining Ray cluster at %s", cfg.cluster.address)
-        # One connection attempt (Ray's default is 20, each up to the GCS timeout set in grpo_app/__init__):
-        # an address that answers but is no Ray fails in ~25 s instead of many minutes.
+        # One connection attempt (Ray's default is 20, each up to its 30 s GCS timeout): an address that
+        # answers TCP but is no Ray fails in ~40 s instead of many minutes. (Shortening that 30 s would need
+        # RAY_py_gcs_connect_timeout_s before ray is imported, which also cuts a local Ray's own startup.)
         os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "1")
         try:
             ray.init(address=cfg.cluster.address, log_to_driver=True)
@@ -51,8 +51,6 @@ def start_ray(cfg: GRPOConfig) -> None:
                               f"({str(exc).splitlines()[0]}); check the address and, if the cluster uses token "
                               "authentication, RAY_AUTH_TOKEN (see apps/grpo/README.md)") from None
         return
-    if os.environ.get(GCS_TIMEOUT_ENV) == JOIN_GCS_TIMEOUT_S:  # ours, for joining: Ray's agents get the default
-        del os.environ[GCS_TIMEOUT_ENV]
     # A local Ray has no other node to reach, so nothing needs to authenticate to it: no token.
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     # Ray replaces a loopback node IP by the machine's address (so other nodes could join) and then its

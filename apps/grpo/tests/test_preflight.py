@@ -249,8 +249,9 @@ def test_every_tiny_architecture_passes_and_a_missing_moe_expert_is_caught(tmp_p
 
 @pytest.mark.slow
 def test_cluster_address_that_answers_but_is_not_ray(tmp_path):
-    """TCP connects (so the preflight probe passes), but no Ray GCS answers: a clear error within 30 s of
-    starting to join (timed from the run's own log). A subprocess: Ray reads its GCS timeout at import.
+    """TCP connects (so the preflight probe passes), but no Ray GCS answers: a clear error within a minute of
+    starting to join (timed from the run's own log; it hung for more than 400 s before). A subprocess, as
+    a user runs it.
     Ray rewrites a loopback address to the machine's own, so the stand-in listens on every interface."""
     server = socket.create_server(("0.0.0.0", 0))
     held = []
@@ -264,4 +265,4 @@ def test_cluster_address_that_answers_but_is_not_ray(tmp_path):
     assert proc.returncode == 2 and "Ray could not join a cluster there" in proc.stderr, proc.stderr[-2000:]
     stamps = [datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f") for line in proc.stderr.splitlines()
               if "joining Ray cluster at" in line or "Ray could not join" in line]
-    assert len(stamps) == 2 and (stamps[1] - stamps[0]).total_seconds() < 30  # ~20 s: 5 s connect + 10 s GCS
+    assert len(stamps) == 2 and (stamps[1] - stamps[0]).total_seconds() < 60  # ~40 s: 5 s connect + 30 s GCS
