@@ -40,6 +40,7 @@ ADDRESS_PROBE_TIMEOUT_S = 10.0
 # The smallest sensible value of every integer of the typed configs (tests check that none is missing).
 INT_BOUNDS: dict[str, int] = {
     "policy.train_global_batch_size": 1, "policy.train_micro_batch_size": 1, "policy.logprob_batch_size": 1,
+    "policy.logprob_chunk_tokens": 1,
     "policy.scheduler.warmup_steps": 0, "policy.scheduler.total_steps": 1,
     "policy.sequence_packing.train_mb_tokens": 1, "policy.sequence_packing.logprob_mb_tokens": 1,
     "policy.dynamic_batching.train_mb_tokens": 1, "policy.dynamic_batching.logprob_mb_tokens": 1,

@@ -1,5 +1,5 @@
 """Reward functions that fail every call stop the run with one line (issue 17): raises, NaN, a string,
-None, or a hang. The app's scoring path (`Workers.score`) in the default run; whole `python apps/grpo`
+None, or a hang. The app's scoring path (`Workers.submit_score`) in the default run; whole `python apps/grpo`
 runs in the slow lane."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,7 @@ def _workers(overrides: list[str], fn: str) -> Workers:
     workers = Workers.__new__(Workers)
     workers.cfg = load_config(None, overrides)
     workers.rewarders = []
+    workers._scoring = ThreadPoolExecutor(max_workers=1)
     workers.local_env = create_environment("function", fn=fn, num_workers=1, timeout_s=1.0)
     return workers
 
@@ -62,7 +64,7 @@ def test_a_batch_of_failed_rewards_stops_the_run(broken_module, fn, cause):
     try:
         start = time.monotonic()
         with pytest.raises(RewardFailureError, match=rf"8 of 8 reward calls failed .*{cause}"):
-            workers.score(requests)
+            workers.submit_score(requests)()
         assert time.monotonic() - start < 5
     finally:
         workers.local_env.close()
@@ -76,9 +78,9 @@ def test_a_tolerated_share_of_failures_goes_on(broken_module):
         try:
             if stops:
                 with pytest.raises(RewardFailureError, match=r"4 of 8 .*env.max_failed_reward_fraction=0.5"):
-                    workers.score(requests)
+                    workers.submit_score(requests)()
             else:
-                assert [r.reward for r in workers.score(requests)] == [1.0, 0.0] * 4
+                assert [r.reward for r in workers.submit_score(requests)()] == [1.0, 0.0] * 4
         finally:
             workers.local_env.close()
 
