@@ -31,7 +31,7 @@ OURS = {module: dist for dist, (module, _) in PACKAGES.items()} | {"grpo_app": "
 ALLOWED = {
     "rl-core": set(),
     "seqpack": set(),
-    "ckpt-convert": set(),
+    "ckpt-convert": {"rl-core"},  # rl_core.checkpoint_io: atomic output, manifest check before DCP reads
     "rollout": {"rl-core"},
     "engine-dtensor": {"rl-core", "seqpack"},
     "engine-megatron": {"rl-core", "seqpack", "ckpt-convert"},

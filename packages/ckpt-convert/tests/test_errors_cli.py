@@ -137,3 +137,30 @@ def test_console_script_help() -> None:
     out = subprocess.run([sys.executable, "-m", "ckpt_convert.cli", "hf2mcore", "--help"], capture_output=True,
                          text=True, check=True).stdout
     assert all(flag in out for flag in ("--hf", "--out", "--tp", "--pp", "--ep", "--dtype"))
+
+
+class _Payload:
+    """Unpickling this runs `Path(marker).touch()`: what a crafted DCP `.metadata` could do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_mcore2hf_verifies_the_manifest_before_unpickling_metadata(tiny_ckpts: dict, tmp_path: Path,
+                                                                    capsys) -> None:
+    import pickle
+
+    mcore = convert_hf_to_mcore(tiny_ckpts["qwen2"], tmp_path / "mcore")
+    assert (mcore / "MANIFEST.json").is_file()  # hf2mcore writes one, last
+    marker = tmp_path / "payload-ran"
+    size = (mcore / ".metadata").stat().st_size
+    crafted = pickle.dumps(_Payload(marker))
+    (mcore / ".metadata").write_bytes(crafted.ljust(size, b"\0"))  # same size: only the sha256 can tell
+    assert main(["mcore2hf", "--mcore", str(mcore), "--out", str(tmp_path / "hf")]) == 2
+    assert ".metadata does not match its sha256" in capsys.readouterr().err
+    assert not marker.exists() and not (tmp_path / "hf").exists()
+    pickle.loads(crafted)  # the payload is real: unpickled unchecked, it runs
+    assert marker.exists()

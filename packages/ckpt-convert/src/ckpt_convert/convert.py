@@ -9,15 +9,12 @@ as `ckpt_convert.json` (incl. the full HF config), which is what mcore2hf and th
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import logging
 import os
 import shutil
-import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +32,7 @@ from ckpt_convert.dist_format import (
 from ckpt_convert.hf_io import HFSource, write_hf_checkpoint
 from ckpt_convert.mapping import hf_names_for, hf_to_mcore_tensor, mcore_names, mcore_to_hf_tensors
 from ckpt_convert.mcore_model import MCoreModelConfig, hf_architecture, load_hf_config, mcore_model_config
+from rl_core.checkpoint_io import atomic_dir, write_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -58,21 +56,11 @@ class ConversionSummary:
                 f"{self.output_bytes / 2**20:.1f} MiB in {self.seconds:.1f} s")
 
 
-@contextlib.contextmanager
-def atomic_dir(out_dir: Path, *, replace: bool = False) -> Iterator[Path]:
-    """A temporary sibling of `out_dir`, renamed to it on success (replacing an existing one only if
-    `replace`) and removed on failure."""
-    if out_dir.exists() and not replace:
+def new_output_dir(out_dir: Path) -> Path:
+    """`out_dir`, refused if it exists (a conversion never overwrites what a user already has)."""
+    if out_dir.exists():
         raise ValueError(f"output directory {out_dir} already exists; remove it or choose another --out")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        yield tmp
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.rename(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
 
 
 def _dir_bytes(path: Path) -> int:
@@ -169,10 +157,11 @@ def convert_hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *
         return tensor.to(chunk.dtype).reshape(chunk.sizes)
 
     try:
-        with atomic_dir(out_dir) as tmp:
+        with atomic_dir(new_output_dir(out_dir)) as tmp:
             write_checkpoint(tmp, chunks, resolve)
             save_model_config(tmp, hf_config, cfg, tp=tp, pp=pp, ep=ep, dtype=dtype)
             _copy_hf_files(hf_dir, tmp / HF_FILES_DIR)
+            write_manifest(tmp)  # last; mcore2hf and the engines verify it before DCP unpickles .metadata
             output_bytes = _dir_bytes(tmp)
     finally:
         progress.close()
@@ -215,7 +204,7 @@ def convert_mcore_to_hf(mcore_dir: str | os.PathLike, out_dir: str | os.PathLike
         plan.append([(n, tuple(t.shape), t.dtype) for n, t in mcore_to_hf_tensors(cfg, hf_config, name, meta)])
     tensors = (pair for name, (key, prefix) in zip(tqdm(names, desc="mcore2hf", unit="tensor", disable=None), sources)
                for pair in mcore_to_hf_tensors(cfg, hf_config, name, reader.read(key, prefix)))
-    with atomic_dir(out_dir) as tmp:
+    with atomic_dir(new_output_dir(out_dir)) as tmp:
         num_params = write_hf_checkpoint(tmp, plan, tensors, hf_config, mcore_dir / HF_FILES_DIR,
                                          max_shard_bytes=max_shard_bytes)
         output_bytes = _dir_bytes(tmp)

@@ -34,6 +34,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
+from rl_core.checkpoint_io import MANIFEST_FILE, verify_manifest
+
 logger = logging.getLogger(__name__)
 
 MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
@@ -162,6 +164,13 @@ class CheckpointReader:
         self.path = Path(ckpt_dir)
         if not (self.path / ".metadata").is_file():
             raise ValueError(f"{self.path} is not a megatron torch_dist checkpoint (no .metadata file)")
+        # torch's DCP reader unpickles `.metadata`: a checkpoint is code. One our engines wrote carries a
+        # manifest (sizes, sha256) that is checked first; any other must come from a source you trust.
+        if (self.path / MANIFEST_FILE).is_file():
+            verify_manifest(self.path)
+        else:
+            logger.warning("%s has no %s to verify: reading its .metadata unpickles it, so convert only "
+                           "checkpoints from a source you trust", self.path, MANIFEST_FILE)
         self.metadata = dcp.FileSystemReader(str(self.path)).read_metadata()
 
     def has(self, key: str) -> bool:

@@ -34,6 +34,7 @@ from engine_megatron.model import build_ddp_model, convert_once, export_hf_tenso
 from engine_megatron.optim import build_optimizer, build_scheduler, megatron_optimizer_config, optimizer_step
 from engine_megatron.parallel import broadcast_from_last_stage, init_model_parallel
 from engine_megatron.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
+from rl_core import checkpoint_io
 from rl_core.batch import LossFn, LossInputs, StepResult, TokenBatch
 from rl_core.config import PolicyConfig
 from rl_core.distributed import init_process_group
@@ -163,12 +164,11 @@ class MegatronEngine(TrainingEngine):
     def save_hf(self, path: str) -> None:
         """A Hugging Face model directory at `path` (replaced atomically): rank 0 streams the gathered
         tensors into safetensors shards, adds config.json and the tokenizer files of policy.model_name."""
-        from ckpt_convert.convert import atomic_dir
         from ckpt_convert.hf_io import write_hf_checkpoint
 
         plan, tensors = hf_export(self.model, self.model_cfg, self.hf_config, self.ranks)
         if dist.get_rank() == 0:
-            with atomic_dir(Path(path), replace=True) as tmp:
+            with checkpoint_io.atomic_dir(path) as tmp:
                 write_hf_checkpoint(tmp, plan, tensors, copy.deepcopy(self.hf_config), Path(self.policy.model_name))
         else:
             for _ in tensors:  # the gathers and broadcasts are collective
