@@ -26,7 +26,7 @@ def _attention(query, key, value, cu, window, max_len):
 
 
 def _compare(rank: int, world: int, window: int | None) -> dict:
-    from engine_dtensor.attention import varlen_kernel
+    from seqpack.attention import varlen_kernel
 
     torch.manual_seed(0)
     t = sum(LENGTHS)

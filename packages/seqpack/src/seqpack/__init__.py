@@ -8,8 +8,11 @@
 - `plan_micro_batches`, `MicroBatchPlan` (microbatch): token-budget micro-batching, padded or packed;
   `plan_dp_micro_batches`: the same, with the same micro-batch count on every DP rank (both engines).
 - `round_up` (layout): the one rounding rule of every padded length.
+- `packed_causal_attention` (attention): causal attention within each sequence of a packed row (a varlen
+  kernel on CUDA in half precision, one sdpa per sequence elsewhere).
 """
 
+from .attention import packed_causal_attention
 from .balance import balance_partitions, partition_spread
 from .binpack import pack_bins
 from .context_parallel import cp_gather, cp_shard, cp_shard_indices
@@ -26,6 +29,7 @@ __all__ = [
     "cp_shard",
     "cp_shard_indices",
     "micro_batch_cost",
+    "packed_causal_attention",
     "pack",
     "pack_bins",
     "pack_like",
