@@ -5,6 +5,6 @@
 #   lane 3: engine-megatron + ckpt-convert on python 3.12 / megatron-core 0.19 (scripts/py312_lane.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-uv run --locked pytest -m "not vllm" "$@"
+uv run --locked pytest -m "not vllm" --durations=25 "$@"
 bash scripts/vllm_lane.sh
 bash scripts/py312_lane.sh
