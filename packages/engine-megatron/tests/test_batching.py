@@ -26,16 +26,36 @@ def _settings(packing: bool, tp: int = 1, cp: int = 1, sp: bool = False, use_cud
                             use_cuda=use_cuda, attention=attention)
 
 
-def test_thd_params_only_with_te_attention() -> None:
-    """CUDA without TE keeps the block-diagonal row (megatron's local attention rejects THD)."""
+@pytest.mark.parametrize("attention", ["local", "transformer_engine"])
+def test_packed_rows_carry_sequence_boundaries_and_no_mask(attention: str) -> None:
+    """Both attentions get THD PackedSeqParams (O(S)); every tensor of a packed micro-batch is O(T)."""
     batch = random_token_batch(VOCAB, [3, 2])
     plan = seqpack.plan_micro_batches(batch.lengths, packing=True)
-    (local,) = batching.build_micro_batches(batch, plan, _settings(True, use_cuda=True), uniform_shape=False)
-    assert local.packed_seq_params is None and local.attention_mask is not None
-    (te,) = batching.build_micro_batches(batch, plan, _settings(True, use_cuda=True, attention="transformer_engine"),
-                                        uniform_shape=False)
-    assert te.attention_mask is None and te.packed_seq_params.qkv_format == "thd"
-    assert te.packed_seq_params.cu_seqlens_q.tolist() == [0, 3, 5]
+    (mb,) = batching.build_micro_batches(batch, plan, _settings(True, use_cuda=True, attention=attention),
+                                         uniform_shape=False)
+    params = mb.packed_seq_params
+    assert params.qkv_format == "thd" and params.cu_seqlens_q.tolist() == [0, 3, 5]
+    assert params.cu_seqlens_q_padded.tolist() == [0, 3, 5] and params.max_seqlen_q == 3
+    assert mb.position_ids.tolist() == [[0, 1, 2, 0, 1]]
+    tensors = [v for v in vars(mb).values() if torch.is_tensor(v)] + [v for v in vars(params).values()
+                                                                      if torch.is_tensor(v)]
+    assert max(t.numel() for t in tensors) == 5  # (1, T) rows, (S+1,) boundaries; no (T, T) mask
+
+
+def test_packed_padding_and_pipeline_tail_belong_to_the_sequences() -> None:
+    """TP=2 pads each sequence to a multiple of 4; a pipeline-uniform row's tail joins its last sequence."""
+    batch = random_token_batch(VOCAB, [1, 5, 9, 2])
+    plan = seqpack.plan_micro_batches(batch.lengths, max_tokens=20, packing=True, round_to=4)
+    mbs = batching.build_micro_batches(batch, plan, _settings(True, tp=2, sp=True), uniform_shape=True)
+    assert len(mbs) > 1 and len({mb.shape for mb in mbs}) == 1
+    cols = mbs[0].shape[1]
+    for mb in mbs:
+        lengths = mb.batch.lengths
+        padded = mb.packed_seq_params.cu_seqlens_q_padded.tolist()
+        assert mb.packed_seq_params.cu_seqlens_q.tolist() == [0, *torch.tensor(lengths).cumsum(0).tolist()]
+        assert padded[-1] == cols and all(p % 4 == 0 for p in padded)
+        assert [b - a for a, b in zip(padded, padded[1:-1])] == [-(-n // 4) * 4 for n in lengths[:-1]]
+        assert mb.packed_seq_params.max_seqlen_q == max(b - a for a, b in zip(padded, padded[1:]))
 
 
 def _stand_in(mb: batching.MicroBatch) -> torch.Tensor:
@@ -57,21 +77,6 @@ def test_spans_and_targets_read_back_each_sequence(packing: bool, uniform: bool)
     for ids, values in zip(batch.input_ids, out):
         expected = torch.cat([torch.zeros(1, dtype=torch.float64), ids[:-1].double() * 1000 + ids[1:].double()])
         assert torch.equal(values, expected)  # position t holds (token t-1, target t): aligned, 0 at t=0
-
-
-def test_packed_mask_is_block_causal_and_pipeline_padding_attends_itself() -> None:
-    batch = random_token_batch(VOCAB, [3, 2])
-    plan = seqpack.plan_micro_batches(batch.lengths, packing=True)
-    (mb,) = batching.build_micro_batches(batch, plan, _settings(True), uniform_shape=False)
-    allowed = ~mb.attention_mask[0, 0]  # True = may attend
-    expected = torch.zeros(5, 5, dtype=torch.bool)
-    expected[:3, :3] = torch.tril(torch.ones(3, 3, dtype=torch.bool))
-    expected[3:, 3:] = torch.tril(torch.ones(2, 2, dtype=torch.bool))
-    assert torch.equal(allowed, expected)
-    assert mb.position_ids.tolist() == [[0, 1, 2, 0, 1]]
-    padded = batching._pad_to(mb, 1, 7)
-    allowed = ~padded.attention_mask[0, 0]
-    assert torch.equal(allowed[:5, :5], expected) and allowed[5:].sum(-1).tolist() == [1, 1]
 
 
 def _cp_worker(rank: int, world_size: int) -> list[torch.Tensor]:

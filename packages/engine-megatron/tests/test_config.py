@@ -59,7 +59,7 @@ def test_cuda_without_te_or_apex_enables_only_the_torch_fusions(monkeypatch) -> 
     assert fusions == {"apply_rope_fusion": False, "gradient_accumulation_fusion": False,
                        "persist_layer_norm": False, "masked_softmax_fusion": False,
                        "bias_activation_fusion": True, "bias_dropout_fusion": True}
-    assert gpu.attention == "local" and not gpu.thd_packing  # block-diagonal rows, not THD
+    assert gpu.attention == "local"  # the local spec: packed rows through PackedDotProductAttention
     assert "attention=local" in gpu.describe() and "apply_rope_fusion': False" in gpu.describe()
     # megatron-core accepts exactly these flags without TE/apex (it raises for apply_rope_fusion otherwise)
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -84,7 +84,7 @@ def test_cuda_with_te_and_apex_enables_every_fusion_and_thd(monkeypatch) -> None
                                                   "context_parallel_size": 2}), hf, 4, True)
     assert not gpu.sequence_parallel and gpu.pack_multiple == 8
     assert all(gpu.transformer_overrides[k] for k in CUDA_FUSIONS)
-    assert gpu.attention == "transformer_engine" and gpu.thd_packing
+    assert gpu.attention == "transformer_engine"
 
 
 def test_fusion_asked_for_on_cpu_is_an_error() -> None:

@@ -1,10 +1,11 @@
 """From a rank's `TokenBatch` to the micro-batches megatron's schedules consume, and back.
 
 Owns: the micro-batch plan (seqpack's token-budget planner, the same count on every DP rank), the model
-inputs of one micro-batch (padded rows with megatron's causal mask, or one packed row with a
-block-diagonal mask without transformer-engine / THD `PackedSeqParams` with it), the context-parallel
-shard of a packed row (seqpack's load-balanced layout), and reading per-sequence results back out of the
-rows. Does not run the model or the loss.
+inputs of one micro-batch (padded rows with megatron's causal mask, or one packed row described by THD
+`PackedSeqParams`: sequence boundaries, O(S), never a T x T mask; TE's attention or, without TE,
+packed_attention.PackedDotProductAttention reads them), the context-parallel shard of a packed row
+(seqpack's load-balanced layout), and reading per-sequence results back out of the rows. Does not run the
+model or the loss.
 
 Position convention: `targets[r, t]` is the token after position t of row r, so the model's logprob at
 position t is log p(token t+1 | <= t); a sequence starting at `start` with length L reads positions
@@ -36,8 +37,7 @@ class MicroBatch:
     position_ids: Tensor  # (B, S) long
     targets: Tensor  # (B, S) long, the next token of each position (see module docstring)
     spans: list[tuple[int, int, int]]  # (row, start, length) of each sequence, in full-row coordinates
-    attention_mask: Tensor | None = None  # (B, 1, S, S) bool, True = masked (CPU packing)
-    packed_seq_params: Any = None  # megatron PackedSeqParams (GPU packing)
+    packed_seq_params: Any = None  # megatron PackedSeqParams (THD) of a packed row, None for padded rows
     layout: Any = None  # seqpack.PackedLayout of the packed row
     weight: float = 1.0  # 0 for the dummy micro-batch of a rank with fewer sequences
     extra: dict[str, Any] = field(default_factory=dict)
@@ -72,10 +72,9 @@ def build_micro_batches(batch: TokenBatch, mb_plan: seqpack.MicroBatchPlan, sett
         rows = max(mb.shape[0] for mb in mbs)
         cols = max(mb.shape[1] for mb in mbs)
         mbs = [_pad_to(mb, rows, cols) for mb in mbs]
-    if settings.thd_packing:  # TE's attention; megatron's local one rejects THD and keeps the block mask
+    if settings.packing:  # after _pad_to: the row's tail padding belongs to its last sequence
         for mb in mbs:
             mb.packed_seq_params = _thd_params(mb)
-            mb.attention_mask = None
     if cp_size > 1:
         mbs = [_cp_shard(mb, cp_rank, cp_size) for mb in mbs]
     return mbs
@@ -99,10 +98,8 @@ def _packed(batch: TokenBatch, weight: float, settings: ResolvedSettings) -> Mic
                                total_multiple=max(settings.pack_multiple, settings.seq_multiple))
     starts = layout.cu_seqlens_padded[:-1].tolist()
     spans = [(0, int(s), n) for s, n in zip(starts, layout.lengths)]
-    mask = ~seqpack.block_causal_mask(layout)  # (T, T), True = masked (megatron's convention)
     return MicroBatch(batch=batch, tokens=row[None].long(), position_ids=layout.position_ids[None].long(),
-                      targets=row.roll(-1)[None].long(), spans=spans, attention_mask=mask[None, None],
-                      layout=layout, weight=weight)
+                      targets=row.roll(-1)[None].long(), spans=spans, layout=layout, weight=weight)
 
 
 def _pad_to(mb: MicroBatch, rows: int, cols: int) -> MicroBatch:
@@ -112,14 +109,7 @@ def _pad_to(mb: MicroBatch, rows: int, cols: int) -> MicroBatch:
     grow = lambda t: torch.nn.functional.pad(t, (0, cols - s, 0, rows - b))  # noqa: E731
     positions = grow(mb.position_ids)
     positions[:, s:] = torch.arange(s, cols)
-    mask = mb.attention_mask
-    if mask is not None:  # the new slots attend only to themselves (no empty softmax rows)
-        new = torch.ones(rows, 1, cols, cols, dtype=torch.bool)
-        new[:b, :, :s, :s] = mask
-        idx = torch.arange(s, cols)
-        new[:, :, idx, idx] = False
-        mask = new
-    mb.tokens, mb.position_ids, mb.targets, mb.attention_mask = grow(mb.tokens), positions, grow(mb.targets), mask
+    mb.tokens, mb.position_ids, mb.targets = grow(mb.tokens), positions, grow(mb.targets)
     mb.extra["padded_cols"] = cols
     return mb
 
@@ -131,7 +121,8 @@ def _thd_params(mb: MicroBatch) -> Any:
     padded = layout.cu_seqlens_padded.clone().int()
     padded[-1] = mb.shape[1]  # tail padding of the row belongs to the last sequence's padding
     max_len = int((padded[1:] - padded[:-1]).max())
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=layout.cu_seqlens.int(), cu_seqlens_kv=layout.cu_seqlens.int(),
+    cu_seqlens = layout.cu_seqlens.int()
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                            cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
                            max_seqlen_q=max_len, max_seqlen_kv=max_len)
 
@@ -161,5 +152,11 @@ def per_sequence(values: Tensor, mb: MicroBatch) -> list[Tensor]:
 def to_device(mbs: Sequence[MicroBatch], device: torch.device) -> None:
     for mb in mbs:
         mb.tokens, mb.position_ids, mb.targets = (t.to(device) for t in (mb.tokens, mb.position_ids, mb.targets))
-        if mb.attention_mask is not None:
-            mb.attention_mask = mb.attention_mask.to(device)
+        params = mb.packed_seq_params
+        if params is not None:  # the attention kernels take cu_seqlens on the device of q/k/v
+            moved: dict[int, Tensor] = {}  # q and kv share their tensors: one copy each
+            for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+                tensor = getattr(params, name)
+                if id(tensor) not in moved:
+                    moved[id(tensor)] = tensor.to(device)
+                setattr(params, name, moved[id(tensor)])

@@ -4,7 +4,7 @@ Owns `MegatronConfig` (validated from the raw `policy.megatron_cfg` mapping with
 the pass-through of every other key to megatron's `TransformerConfig` (checked against its fields), and
 `resolve_settings`, which turns (policy, megatron_cfg, HF config, world size, device) into the concrete
 settings the engine uses and logs: sequence parallel on with TP > 1, sequence padding for packing,
-the fusions whose libraries import, TE or local attention (THD or block-diagonal packing), pipeline
+the fusions whose libraries import, TE or local attention (both take packed rows as THD), pipeline
 communication that works under gloo. Does not build anything.
 """
 
@@ -70,8 +70,8 @@ def available_fusions() -> dict[str, bool]:
 
 
 def attention_backend(use_cuda: bool) -> Literal["transformer_engine", "local"]:
-    """The one decision between TE's layer spec (THD packing, context parallelism) and megatron's local
-    modules (block-diagonal packing): `model.layer_spec` and the batching both follow it."""
+    """The one decision between TE's layer spec (context parallelism) and megatron's local modules
+    (`model.layer_spec` follows it); packed rows are THD `PackedSeqParams` for both."""
     from engine_megatron.model import te_available
 
     return "transformer_engine" if use_cuda and te_available() else "local"
@@ -210,11 +210,6 @@ class ResolvedSettings:
     transformer_overrides: dict[str, Any]  # extra TransformerConfig fields passed to ckpt-convert
     use_cuda: bool
     attention: Literal["transformer_engine", "local"] = "local"
-
-    @property
-    def thd_packing(self) -> bool:
-        """Packed rows as THD `PackedSeqParams` (TE's attention only), else one row with a block mask."""
-        return self.packing and self.attention == "transformer_engine"
 
     def describe(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items())

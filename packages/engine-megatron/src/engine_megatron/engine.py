@@ -252,7 +252,8 @@ class MegatronEngine(TrainingEngine):
         # the logprob chunks upcast chunk_tokens rows at a time.
         tc = self.model_cfg.transformer_config
         half = {"fp32_output": False} if tc.bf16 or tc.fp16 else {}
-        output = model(mb.tokens, mb.position_ids, mb.attention_mask, packed_seq_params=mb.packed_seq_params, **half)
+        # attention_mask None: padded rows use megatron's causal mask type, packed rows their packed_seq_params
+        output = model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params, **half)
         return output, functools.partial(self._loss_of, mb)
 
     def _loss_of(self, mb: batching.MicroBatch, logits: Tensor) -> tuple[Tensor, dict]:

@@ -43,7 +43,7 @@ def te_available() -> bool:
 
 def layer_spec(cfg: MCoreModelConfig) -> Any:
     """The layer spec, chosen once: Transformer Engine with CUDA, megatron's local modules otherwise
-    (with `SegmentDotProductAttention` as core attention, for packed rows)."""
+    (with `PackedDotProductAttention` as core attention: THD packed rows without TE)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     tc = cfg.transformer_config
@@ -51,11 +51,11 @@ def layer_spec(cfg: MCoreModelConfig) -> Any:
                   qk_layernorm=tc.qk_layernorm)
     if te_available():
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**kwargs)
-    from engine_megatron.segment_attention import SegmentDotProductAttention
+    from engine_megatron.packed_attention import PackedDotProductAttention
 
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=tc.normalization, **kwargs)
-    # packed rows: attend per sequence instead of over the whole row with a block-diagonal mask
-    spec.submodules.self_attention.submodules.core_attention = SegmentDotProductAttention
+    # megatron's local DotProductAttention rejects THD packed_seq_params; this subclass takes them
+    spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
     return spec
 
 

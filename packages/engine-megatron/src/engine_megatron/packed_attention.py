@@ -1,0 +1,64 @@
+"""Megatron's local core attention with packed rows: THD `PackedSeqParams` through seqpack's packed attention.
+
+megatron-core's local `DotProductAttention` (the layer spec without Transformer Engine) asserts on
+`packed_seq_params`; only TE's attention takes THD. `PackedDotProductAttention` takes it too: megatron's
+`SelfAttention` squeezes q/k/v to THD (T, heads, d), applies rope per sequence from the same cu_seqlens
+(its unfused THD rope, megatron-core 0.16 and 0.19 alike) and reshapes what the core attention returns to
+(T, 1, hidden); this class hands q/k/v and the row's sequence boundaries to
+`seqpack.packed_causal_attention`: one varlen kernel call on CUDA in bf16/fp16 (no per-length cuDNN
+planning), one causal sdpa per sequence elsewhere (sum L_i^2 scores, never a T x T mask). Rows without
+packed_seq_params (padded micro-batches) go to megatron's implementation unchanged. With TE on GPU the TE
+spec is used instead and this module is not in it.
+
+Padding: every sequence of a packed row is padded to `pack_multiple` (and the row's tail belongs to the
+last sequence), so the segments are `cu_seqlens_q_padded`, as in TE. A sequence's padding comes after its
+real tokens, and causal attention keeps it out of their outputs; the padding positions' own outputs are
+dropped by the engine (batching.per_sequence).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.utils import is_layer_window_attention
+from torch import Tensor
+
+from seqpack import packed_causal_attention
+
+
+class PackedDotProductAttention(DotProductAttention):
+    """`DotProductAttention` that also takes THD packed rows (see the module docstring)."""
+
+    def __init__(self, config: Any, layer_number: int, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, layer_number, *args, **kwargs)
+        # megatron's window is (left, right) inclusive; seqpack's (HF's) counts the query itself
+        self.window: int | None = None
+        if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
+            left, right = config.window_size
+            if right != 0:
+                raise ValueError(f"window_size={config.window_size}: packed causal attention needs a right "
+                                 "window of 0 (causal); set policy.megatron_cfg.window_size=[left, 0]")
+            self.window = left + 1
+        # apply_query_key_layer_scaling divides softmax_scale by the layer number and megatron's softmax
+        # multiplies it back; sdpa applies the whole scale once.
+        coeff = self.layer_number if config.apply_query_key_layer_scaling else 1
+        self.packed_scale = self.softmax_scale * coeff
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                attn_mask_type: Any = None, attention_bias: Tensor | None = None,
+                packed_seq_params: Any = None) -> Tensor:
+        if packed_seq_params is None:
+            return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                   attention_bias=attention_bias)
+        if packed_seq_params.qkv_format != "thd" or attention_bias is not None or self.softmax_offset is not None:
+            raise ValueError(f"packed rows take THD packed_seq_params without attention_bias or softmax offsets; got "
+                             f"qkv_format={packed_seq_params.qkv_format!r}, softmax_type={self.config.softmax_type!r}")
+        cu_seqlens = packed_seq_params.cu_seqlens_q_padded
+        if cu_seqlens is None:
+            cu_seqlens = packed_seq_params.cu_seqlens_q
+        dropout = self.attention_dropout.p if self.training else 0.0
+        # query (T, heads, d), key / value (T, query groups, d): megatron's THD layout is seqpack's
+        context = packed_causal_attention(query, key, value, cu_seqlens, max_len=packed_seq_params.max_seqlen_q,
+                                          scale=self.packed_scale, window=self.window, dropout=dropout)
+        return context.reshape(context.shape[0], 1, self.hidden_size_per_partition)  # (T, 1, hidden / TP)
