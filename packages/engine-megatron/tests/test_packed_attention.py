@@ -4,6 +4,8 @@ multiple and a sliding window; padding positions receive no gradient from real t
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from rl_core.testing.distributed import run_distributed
 LENGTHS = [5, 1, 9, 3]  # real tokens per sequence
 MULTIPLE = 4  # each padded to a multiple of 4: segments [8, 4, 12, 4]
 DIM = 8
+logger = logging.getLogger(__name__)
 
 
 def _compare(rank: int, world: int, heads: int, groups: int, window: int | None) -> dict[str, float]:
@@ -73,3 +76,86 @@ def test_packed_attention_equals_megatron_attention_per_sequence(heads: int, gro
     diffs = run_distributed(_compare, 1, args=(heads, groups, window))[0]
     assert diffs["out"] < 1e-12 and diffs["grads"] < 1e-12, diffs
     assert diffs["calls"] == 1 and diffs["window"] == window  # one packed call per row, megatron's window mapped
+
+
+# ---- the engine: packed == padded, and no (T, T) tensor ----------------------------------------------------
+
+ENGINE_LENGTHS = [1, 6, 9, 2, 13, 3, 7, 1]  # 1-token sequences; TP=2 pads each to a multiple of 4
+PACKING = {"sequence_packing": {"enabled": True, "train_mb_tokens": 24, "logprob_mb_tokens": 30}}
+
+
+def _logprobs_and_grads(rank: int, world: int, ckpt: str, tp: int, policy_kw: dict) -> tuple:
+    from megatron_testutil import LOSS, global_batch, make_policy
+
+    from engine_megatron import packed_attention
+    from engine_megatron.engine import MegatronEngine
+    from engine_megatron.model import gpt_model
+    from rl_core.losses import ClippedPGLoss
+
+    calls = []
+    real_attention = packed_attention.packed_causal_attention
+
+    def counting(*args, **kw):  # forked rank: the patch is local to it
+        calls.append(1)
+        return real_attention(*args, **kw)
+
+    packed_attention.packed_causal_attention = counting
+    engine = MegatronEngine(make_policy(ckpt, {"tensor_model_parallel_size": tp}, **policy_kw))
+    batch = global_batch(0, ENGINE_LENGTHS)
+    logprobs = engine.compute_logprobs(batch)
+    engine.zero_grad()
+    engine.forward_backward(batch.with_fields(prev_logprobs=[lp - 0.1 for lp in logprobs]), ClippedPGLoss(LOSS))
+    grads = {name: p.main_grad.clone() for name, p in gpt_model(engine.model).named_parameters()}
+    return logprobs, grads, len(calls)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2_sp"])
+def test_packed_engine_equals_padded(tiny_ckpt, tp: int) -> None:
+    """fp32 logprobs and every parameter's gradient of packed rows (THD through PackedDotProductAttention,
+    rope restarting per sequence) equal padded rows (megatron's own attention with a causal mask)."""
+    ckpt = tiny_ckpt("qwen2")
+    packed = run_distributed(_logprobs_and_grads, tp, args=(ckpt, tp, PACKING))
+    padded = run_distributed(_logprobs_and_grads, tp, args=(ckpt, tp, {}))
+    for (lp, grads, calls), (ref_lp, ref_grads, ref_calls) in zip(packed, padded):
+        assert calls > 0 and ref_calls == 0  # packed rows took the packed path, padded rows megatron's
+        assert [x.numel() for x in lp] == ENGINE_LENGTHS
+        lp_diff = max(float((a - b).abs().max()) for a, b in zip(lp, ref_lp))
+        scale = max(float(g.abs().max()) for g in ref_grads.values())
+        grad_diff = max(float((grad - ref_grads[name]).abs().max()) for name, grad in grads.items()) / scale
+        logger.info("packed vs padded, TP=%d: logprobs %.1e, grads %.1e of the largest", tp, lp_diff, grad_diff)
+        assert lp_diff <= 2e-6 and grad_diff <= 1e-5, (lp_diff, grad_diff)
+
+
+def _largest_tensors(rank: int, world: int, ckpt: str, lengths: list[int]) -> dict:
+    from megatron_testutil import LOSS, global_batch, make_policy
+
+    from engine_megatron.engine import MegatronEngine
+    from rl_core.losses import ClippedPGLoss
+    from rl_core.testing.memory import LargestTensors
+
+    tokens = sum(lengths)
+    engine = MegatronEngine(make_policy(ckpt, sequence_packing={"enabled": True, "train_mb_tokens": tokens,
+                                                                "logprob_mb_tokens": tokens}))
+    batch = global_batch(0, lengths)
+    with LargestTensors() as seen:
+        logprobs = engine.compute_logprobs(batch)
+        result = engine.forward_backward(batch.with_fields(prev_logprobs=logprobs), ClippedPGLoss(LOSS))
+    return {"largest": seen.largest, "micro_batches": result.num_micro_batches}
+
+
+@pytest.mark.distributed
+def test_packed_forward_backward_creates_no_t_by_t_tensor(tiny_ckpt) -> None:
+    """One 2048-token packed row of 128 sequences: the biggest tensor any op creates (forward and backward,
+    every dtype) is T x the model's widest layer (the fused gate/up projection, 2 x intermediate), a
+    quarter of the T^2 a block-diagonal mask would take, and none has two sides of length T."""
+    from rl_core.testing.tiny_models import tiny_config
+
+    lengths = [16] * 128
+    t = sum(lengths)
+    widest = max(2 * tiny_config("qwen2").intermediate_size, 128)  # fc1 (gate + up), or the padded vocab
+    assert widest * t <= t * t // 4
+    out = run_distributed(_largest_tensors, 1, args=(tiny_ckpt("qwen2"), lengths))[0]
+    assert out["micro_batches"] == 1
+    for dtype, (numel, shape, op) in out["largest"].items():
+        assert numel <= widest * t and list(shape).count(t) <= 1, (dtype, shape, op)
