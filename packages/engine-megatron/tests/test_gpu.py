@@ -1,8 +1,9 @@
 """CUDA-only paths (skipped without a GPU by the root conftest; not run on the CPU machine this was built on).
 
 Ranks are spawned with NCCL (`run_distributed(..., backend=CUDA_BACKEND)`): never forked after CUDA.
-- packed sequences without transformer-engine (local attention, block-diagonal rows) and, with it, as
-  THD `PackedSeqParams`;
+- packed sequences (THD `PackedSeqParams`) through TE's attention, or without TE through
+  `PackedDotProductAttention` (seqpack's varlen kernel in bf16: compared with fp32, first-call vs warm
+  time on new lengths printed);
 - context parallelism (needs TE's attention), with seqpack's load-balanced layout;
 - offload / onload of DDP buffers and optimizer state (a no-op on CPU).
 Each compares with the single-GPU padded run, like the CPU layout tests.
@@ -16,6 +17,8 @@ from megatron_testutil import assert_same_run, engine_run, make_policy
 
 from rl_core.testing.distributed import CUDA_BACKEND, run_distributed
 
+LENGTHS_BF16 = [1, 300, 77, 1024, 513, 5, 2048, 31]  # 3999 tokens: one packed micro-batch
+
 PACKING = {"sequence_packing": {"enabled": True, "train_mb_tokens": 32, "logprob_mb_tokens": 32}}
 
 
@@ -25,8 +28,8 @@ def _reference(ckpt: str) -> list[dict]:
 
 @pytest.mark.gpu
 def test_packing_equals_padded_on_gpu_with_or_without_te(tiny_ckpt) -> None:
-    """The layout the machine has: THD with TE, block-diagonal rows through local attention without it
-    (megatron's local DotProductAttention rejects THD); fusions limited to what imports."""
+    """The layout the machine has: THD through TE's attention, or through PackedDotProductAttention
+    without TE (fp32 on CUDA: one sdpa per sequence); fusions limited to what imports."""
     ckpt = tiny_ckpt("qwen2")
     packed = run_distributed(engine_run, world_size=1, args=(ckpt, {}, PACKING), backend=CUDA_BACKEND)
     assert_same_run(packed, _reference(ckpt), logprob_tol=2e-5, weight_rel_tol=1e-5, weight_abs_tol=1e-4)
@@ -72,3 +75,57 @@ def _offload(rank: int, world_size: int, ckpt: str) -> tuple[float, float, bool]
 def test_offload_frees_gpu_memory_and_restores(tiny_ckpt) -> None:
     used, offloaded, same = run_distributed(_offload, world_size=1, args=(tiny_ckpt("qwen2"),), backend=CUDA_BACKEND)[0]
     assert same and offloaded < 0.5 * used, (used, offloaded)
+
+
+def _packed_without_te(rank: int, world_size: int, ckpt: str, precision: str) -> dict:
+    """Packed forward + backward through the local spec (TE hidden if installed), then timings of
+    forward_backward on new lengths: first call, the same lengths again, and another new set."""
+    import time
+
+    from megatron_testutil import LOSS, global_batch
+
+    from engine_megatron import model
+    from engine_megatron.engine import MegatronEngine
+    from rl_core.losses import ClippedPGLoss
+    from seqpack.attention import varlen_kernel
+
+    model.te_available = lambda: False  # what a GPU without transformer-engine runs (spawned rank: local)
+    packing = {"enabled": True, "train_mb_tokens": 4096, "logprob_mb_tokens": 4096}
+    engine = MegatronEngine(make_policy(ckpt, {"apply_rope_fusion": False}, precision=precision,
+                                        sequence_packing=packing))
+    loss = ClippedPGLoss(LOSS)
+    batch = global_batch(0, LENGTHS_BF16)
+    logprobs = engine.compute_logprobs(batch)
+    engine.zero_grad()
+    engine.forward_backward(batch.with_fields(prev_logprobs=[lp - 0.1 for lp in logprobs]), loss)
+    grads = {n: p.main_grad.float().cpu() for n, p in model.gpt_model(engine.model).named_parameters()}
+    timings = []
+    for seed in (1, 1, 2):  # new lengths, the same again (warm), new lengths once more
+        lengths = torch.randint(16, 512, (32,), generator=torch.Generator().manual_seed(seed)).tolist()
+        new = global_batch(seed, lengths)
+        new = new.with_fields(prev_logprobs=[torch.zeros(n) for n in lengths])
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.forward_backward(new, loss)
+        torch.cuda.synchronize()
+        timings.append(time.perf_counter() - start)
+    return {"kernel": varlen_kernel("cuda"), "logprobs": logprobs, "grads": grads, "timings": timings}
+
+
+@pytest.mark.gpu
+def test_packed_bf16_without_te_tracks_fp32_on_gpu(tiny_ckpt) -> None:
+    """bf16 packed rows go through the varlen kernel (one call per row) and stay within bf16 error of the
+    fp32 run (per-sequence sdpa); the first call on new lengths is printed against the warm one."""
+    ckpt = tiny_ckpt("qwen2")
+    runs = {precision: run_distributed(_packed_without_te, world_size=1, args=(ckpt, precision),
+                                       backend=CUDA_BACKEND)[0] for precision in ("float32", "bfloat16")}
+    bf16, fp32 = runs["bfloat16"], runs["float32"]
+    print(f"megatron packed without TE, varlen kernel {bf16['kernel']}: forward_backward s (new lengths, same "
+          f"again, new lengths) bf16 {bf16['timings']}, fp32 {fp32['timings']}")
+    assert bf16["kernel"] != "none"
+    logprobs = max(float((a - b).abs().max()) for a, b in zip(bf16["logprobs"], fp32["logprobs"]))
+    num = sum(float((bf16["grads"][n] - g).pow(2).sum()) for n, g in fp32["grads"].items())
+    den = sum(float(g.pow(2).sum()) for g in fp32["grads"].values())
+    # bf16 over sequences up to 2048 tokens (this worker in bf16 on CPU, per-sequence sdpa: 0.058 and 0.015);
+    # a wrong segment boundary moved fp32 logprobs by 2.0 (test_packed_attention, mutated on purpose)
+    assert logprobs <= 0.15 and (num / den) ** 0.5 <= 5e-2, (logprobs, (num / den) ** 0.5)
