@@ -51,6 +51,9 @@ LAYOUTS = {
     "packed": (1, {}, PACKING),
     "packed_tp2_dp1": (2, {"tensor_model_parallel_size": 2}, PACKING),
     "packed_dp2": (2, {}, PACKING),
+    # megatron's checkpointed core attention hands packed_seq_params to PackedDotProductAttention again
+    "packed_recompute_selective": (1, {"activation_checkpointing": {"enabled": True, "granularity": "selective"}},
+                                   PACKING),
     "dynamic_batching": (1, {}, DYNAMIC),
     "pp2": (2, {"pipeline_model_parallel_size": 2}, {}),
     "pp2_packed": (2, {"pipeline_model_parallel_size": 2}, PACKING),
