@@ -78,6 +78,45 @@ def test_packed_attention_equals_megatron_attention_per_sequence(heads: int, gro
     assert diffs["calls"] == 1 and diffs["window"] == window  # one packed call per row, megatron's window mapped
 
 
+class _NoContextParallel:  # megatron's rope reads the CP group's size and rank
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+
+
+@pytest.mark.parametrize("interleaved,mscale", [(False, 1.0), (True, 1.3)])
+def test_one_call_thd_rope_equals_megatron_thd_rope(interleaved: bool, mscale: float) -> None:
+    """The one-call rope == megatron's per-sequence THD rope (float64; 1-token and padded segments), and
+    its op count does not grow with the number of sequences."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from engine_megatron.packed_attention import _MEGATRON_THD_ROPE, one_call_thd_rope
+
+    class CountOps(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(0)
+    counts = []
+    for lengths in ([8, 4, 12, 4, 1], [3] * 40):
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        t = torch.randn(sum(lengths), 4, DIM, generator=gen, dtype=torch.float64)
+        freqs = torch.randn(max(lengths), 1, 1, DIM, generator=gen, dtype=torch.float64)
+        kw = dict(cp_group=_NoContextParallel(), rotary_interleaved=interleaved, mscale=mscale)
+        with CountOps() as ops:
+            got = one_call_thd_rope(_MEGATRON_THD_ROPE, t, cu, freqs, **kw)
+        counts.append(ops.count)
+        assert float((got - _MEGATRON_THD_ROPE(t, cu, freqs, **kw)).abs().max()) < 1e-12
+    assert counts[0] == counts[1] and counts[0] <= 30, counts
+
+
 # ---- the engine: packed == padded, and no (T, T) tensor ----------------------------------------------------
 
 ENGINE_LENGTHS = [1, 6, 9, 2, 13, 3, 7, 1]  # 1-token sequences; TP=2 pads each to a multiple of 4

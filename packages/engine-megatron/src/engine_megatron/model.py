@@ -51,8 +51,9 @@ def layer_spec(cfg: MCoreModelConfig) -> Any:
                   qk_layernorm=tc.qk_layernorm)
     if te_available():
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**kwargs)
-    from engine_megatron.packed_attention import PackedDotProductAttention
+    from engine_megatron.packed_attention import PackedDotProductAttention, use_one_call_thd_rope
 
+    use_one_call_thd_rope()
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=tc.normalization, **kwargs)
     # megatron's local DotProductAttention rejects THD packed_seq_params; this subclass takes them
     spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
