@@ -32,7 +32,7 @@ ALLOWED = {
     "rl-core": set(),
     "seqpack": set(),
     "ckpt-convert": {"rl-core"},  # rl_core.checkpoint_io: atomic output, manifest check before DCP reads
-    "rollout": {"rl-core"},
+    "rollout": {"rl-core", "seqpack"},  # seqpack.attention: packed prefill
     "engine-dtensor": {"rl-core", "seqpack"},
     "engine-megatron": {"rl-core", "seqpack", "ckpt-convert"},
 }

@@ -5,16 +5,21 @@ so it shares the model's weight storage: `update_weights` copies into the same t
 needs to change, captured CUDA graphs included. Supported: Llama-style decoders with full attention on
 every layer (llama, qwen2, qwen3 with q/k norms, mistral without a sliding window).
 
-- prefill: one prompt, its K/V written to its blocks, causal sdpa over the prompt itself;
+- prefill: several prompts in one packed forward (tokens concatenated, `cu_seqlens`), attention through
+  `seqpack.packed_causal_attention` (a varlen kernel on CUDA half precision, one causal sdpa per prompt
+  elsewhere), each prompt's K/V written to its blocks, last-position logits per prompt;
 - decode: one token for each of `b` rows, padded to a batch-size bucket (the smallest bucket >= b) so the
-  step has static shapes. Inputs are static buffers (tokens, positions, block tables); attention gathers
-  each row's blocks into (bucket, kv_heads, width * block_size, head_dim) and runs sdpa with a length mask.
-  On CUDA each (bucket, width) step is captured once in a CUDA graph and replayed; elsewhere it runs
-  eagerly (same shapes, same code).
+  step has static shapes. Inputs are static buffers (tokens, positions, block tables, sampling keys and
+  step counters); attention gathers each row's blocks into (bucket, kv_heads, width * block_size, head_dim)
+  and runs sdpa with a length mask; the step ends with sampling (rollout.sampling.sample_next), so its
+  outputs are the sampled tokens (bucket,) and their logprobs (bucket,), never the (bucket, V) logits.
+  On CUDA each (bucket, width, sampling parameters) step is captured once in a CUDA graph and replayed;
+  elsewhere it runs eagerly (same shapes, same code).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
 from collections.abc import Sequence
@@ -23,7 +28,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rl_core.interfaces import SamplingParams
 from rollout.paged_cache import NULL_BLOCK, PagedKVCache
+from rollout.sampling import sample_next, sampling_key
+from seqpack.attention import packed_causal_attention
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +71,7 @@ class PagedDecoder:
         self.head_dim = attn.head_dim
         self.kv_heads = model.config.num_key_value_heads
         self.cache: PagedKVCache | None = None
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self._graphs: dict[tuple[int, int, tuple[float, int, float]], tuple[torch.cuda.CUDAGraph, Tensor, Tensor]] = {}
         self._pool: Any = None
         self.graph_captures = 0  # how many graphs were captured (tests: refit must not add any)
 
@@ -93,6 +101,8 @@ class PagedDecoder:
         self.tokens = torch.zeros(rows, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(rows, dtype=torch.int64, device=dev)
         self.tables = torch.full((rows, table_width), NULL_BLOCK, dtype=torch.int64, device=dev)
+        self.keys = torch.zeros(rows, dtype=torch.int64, device=dev)  # rollout.sampling.row_keys of each row
+        self.steps = torch.zeros(rows, dtype=torch.int64, device=dev)  # tokens each row has sampled so far
         logger.info("paged KV cache: %d blocks x %d positions (%.1f MiB), step buffers %d rows x %d blocks",
                     num_blocks, self.block_size, 2 * self.cache.k.numel() * self.cache.k.element_size() / 2**20,
                     rows, table_width)
@@ -100,7 +110,7 @@ class PagedDecoder:
     def release(self) -> None:
         """Free the KV cache, the step buffers and the captured graphs (sleep)."""
         self.cache, self._graphs, self._pool = None, {}, None
-        self.tokens = self.positions = self.tables = None  # type: ignore[assignment]
+        self.tokens = self.positions = self.tables = self.keys = self.steps = None  # type: ignore[assignment]
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
@@ -141,24 +151,26 @@ class PagedDecoder:
         return self.model.lm_head(self.inner.norm(hidden))
 
     @torch.inference_mode()
-    def prefill(self, prompt: list[int], table: list[int]) -> Tensor:
-        """Write the K/V of `prompt` into the blocks `table`; returns the last position's logits (V,)."""
+    def prefill(self, prompts: Sequence[list[int]], tables: Sequence[list[int]]) -> Tensor:
+        """Write the K/V of each prompt into its blocks `tables[i]` in one packed forward; returns the last
+        position's logits of each prompt (P, V)."""
         dev = self.device
-        ids = torch.tensor(prompt, dtype=torch.int64, device=dev)
-        positions = torch.arange(len(prompt), device=dev)
-        slots = self.cache.slots(table, 0, len(prompt)).to(dev)
+        lengths = [len(p) for p in prompts]
+        ids = torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=dev)  # (T,)
+        positions = torch.cat([torch.arange(n) for n in lengths]).to(dev)
+        slots = torch.cat([self.cache.slots(table, 0, n) for table, n in zip(tables, lengths)]).to(dev)
+        cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=dev)  # (P+1,)
 
-        def causal_self_attention(i: int, attn: Any, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True,
-                scale=attn.scaling, enable_gqa=q.shape[1] != k.shape[1])  # (1, H, T, D)
-            return out[0].transpose(0, 1).reshape(q.shape[0], -1)
+        def packed_attention(i: int, attn: Any, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            out = packed_causal_attention(q, k, v, cu_seqlens, max_len=max(lengths), scale=attn.scaling)
+            return out.reshape(q.shape[0], -1)  # (T, H * D)
 
-        hidden = self._layers(ids, positions, slots, causal_self_attention)
-        return self._logits(hidden[-1:])[0]
+        hidden = self._layers(ids, positions, slots, packed_attention)
+        return self._logits(hidden[cu_seqlens[1:].long() - 1])
 
-    def _decode_step(self, bucket: int, width: int) -> Tensor:
-        """One static-shape decode step over the first `bucket` rows of the step buffers -> logits."""
+    def _step_logits(self, bucket: int, width: int) -> Tensor:
+        """The logits (bucket, V) of one static-shape decode step over the first `bucket` rows of the step
+        buffers (its K/V written to the cache)."""
         tokens, positions = self.tokens[:bucket], self.positions[:bucket]
         tables = self.tables[:bucket, :width]
         bs = self.block_size
@@ -177,11 +189,19 @@ class PagedDecoder:
 
         return self._logits(self._layers(tokens, positions, slots, paged_attention))
 
-    @torch.inference_mode()
-    def decode(self, tokens: Tensor, positions: Tensor, tables: Tensor) -> Tensor:
-        """Logits (b, V) of the next token of b rows: last tokens (b,), their positions (b,), tables (b, M).
+    def _decode_step(self, bucket: int, width: int, params: SamplingParams) -> tuple[Tensor, Tensor]:
+        """One static-shape decode step, sampling included: next tokens (bucket,) and their logprobs."""
+        logits = self._step_logits(bucket, width)
+        return sample_next(logits, params, keys_B=self.keys[:bucket], steps_B=self.steps[:bucket])
 
-        Inputs are CPU tensors (the scheduler's bookkeeping); they are copied into the static buffers."""
+    @torch.inference_mode()
+    def decode(self, tokens: Tensor, positions: Tensor, tables: Tensor, keys: Tensor, steps: Tensor,
+               params: SamplingParams) -> tuple[Tensor, Tensor]:
+        """The next token (b,) of b rows and its logprob (b,): last tokens (b,), their positions (b,), block
+        tables (b, M), sampling keys (b,) and the tokens each row has sampled (b,: the draw's step counter).
+
+        Inputs are copied into the static buffers (tokens, positions, tables, steps: the scheduler's CPU
+        bookkeeping; keys: on the device)."""
         rows = tables.shape[0]
         bucket = self.bucket_for(rows)
         # Attend over the blocks the longest row uses, not the whole table (rounded to a power of two
@@ -193,31 +213,36 @@ class PagedDecoder:
         self.tokens[:rows].copy_(tokens, non_blocking=True)
         self.positions[:rows].copy_(positions, non_blocking=True)
         self.tables[:rows, :width].copy_(tables, non_blocking=True)
+        self.keys[:rows].copy_(keys, non_blocking=True)
+        self.steps[:rows].copy_(steps, non_blocking=True)
         # Padding rows: token 0 at position 0 of the null block, which no real row reads.
-        self.tokens[rows:bucket] = 0
-        self.positions[rows:bucket] = 0
-        self.tables[rows:bucket] = NULL_BLOCK
+        for buffer, fill in ((self.tokens, 0), (self.positions, 0), (self.tables, NULL_BLOCK), (self.keys, 0),
+                             (self.steps, 0)):
+            buffer[rows:bucket] = fill
         if not self._use_graphs:
-            return self._decode_step(bucket, width)[:rows]
-        return self._replay(bucket, width)[:rows]
+            next_tokens, logprobs = self._decode_step(bucket, width, params)
+        else:
+            next_tokens, logprobs = self._replay(bucket, width, params)
+        return next_tokens[:rows], logprobs[:rows]
 
-    def _replay(self, bucket: int, width: int) -> Tensor:
-        """Run the captured graph of (bucket, width), capturing it on first use."""
-        key = (bucket, width)
+    def _replay(self, bucket: int, width: int, params: SamplingParams) -> tuple[Tensor, Tensor]:
+        """Run the captured graph of (bucket, width, sampling parameters), capturing it on first use."""
+        key = (bucket, width, sampling_key(params))
         if key not in self._graphs:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up outside the graph (lazy inits, cuBLAS handles)
-                self._decode_step(bucket, width)
+                self._decode_step(bucket, width, params)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                logits = self._decode_step(bucket, width)
-            self._graphs[key] = (graph, logits)
+                next_tokens, logprobs = self._decode_step(bucket, width, params)
+            self._graphs[key] = (graph, next_tokens, logprobs)
             self.graph_captures += 1
-            logger.info("captured the decode step of %d rows x %d blocks in a CUDA graph", bucket, width)
-        graph, logits = self._graphs[key]
+            logger.info("captured the decode step of %d rows x %d blocks (sampling %s) in a CUDA graph", bucket,
+                        width, key[2])
+        graph, next_tokens, logprobs = self._graphs[key]
         graph.replay()
-        return logits
+        return next_tokens, logprobs

@@ -14,12 +14,16 @@ its batch: continuous batching then changes nothing but speed, and the draw is g
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 
 import torch
 from torch import Tensor
 
 from rl_core.interfaces import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 def validate_params(params: SamplingParams) -> None:
@@ -55,6 +59,8 @@ def filter_logits(logits_BV: Tensor, top_k: int, top_p: float) -> Tensor:
 
 
 _MASK32 = 0xFFFFFFFF
+_FMIX_C1, _FMIX_C2 = 0x85EBCA6B, 0xC2B2AE35
+_TOKEN_MUL = 0x85157AF5
 
 
 def _fmix32(h: Tensor) -> Tensor:
@@ -63,10 +69,56 @@ def _fmix32(h: Tensor) -> Tensor:
     Products stay below 2**63 (32-bit value x 32-bit constant), so int64 arithmetic never overflows.
     """
     h = h ^ (h >> 16)
-    h = (h * 0x85EBCA6B) & _MASK32
+    h = (h * _FMIX_C1) & _MASK32
     h = h ^ (h >> 13)
-    h = (h * 0xC2B2AE35) & _MASK32
+    h = (h * _FMIX_C2) & _MASK32
     return h ^ (h >> 16)
+
+
+def _signed32(value: int) -> int:
+    """The int32 with the same 32 bits as the unsigned 32-bit `value`."""
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def _fmix32_wrapping_(h: Tensor) -> Tensor:
+    """`_fmix32` in place on int32 tensors whose multiplies wrap modulo 2**32 (same bits, half the bytes).
+
+    Right shifts of int32 are arithmetic, so each shift is masked back to the bits a logical shift keeps.
+    """
+    h.bitwise_xor_((h >> 16).bitwise_and_(0xFFFF))
+    h.mul_(_signed32(_FMIX_C1))
+    h.bitwise_xor_((h >> 13).bitwise_and_(0x7FFFF))
+    h.mul_(_signed32(_FMIX_C2))
+    return h.bitwise_xor_((h >> 16).bitwise_and_(0xFFFF))
+
+
+def _uniform_bits_int64(row_step_B: Tensor, vocab: int) -> Tensor:
+    """24 uniform bits (B, V) of (row_step, token id) in int64 arithmetic (exact on every backend)."""
+    token = (torch.arange(vocab, device=row_step_B.device, dtype=torch.int64) * _TOKEN_MUL) & _MASK32
+    return _fmix32(row_step_B[:, None] ^ token[None, :]) >> 8
+
+
+def _uniform_bits_int32(row_step_B: Tensor, vocab: int) -> Tensor:
+    """The same bits as `_uniform_bits_int64` through wrapping int32 arithmetic: every (B, V) temporary is
+    4 bytes a token instead of 8, and the hash runs in place."""
+    token = torch.arange(vocab, device=row_step_B.device, dtype=torch.int32).mul_(_signed32(_TOKEN_MUL))
+    row_step = torch.where(row_step_B >= 1 << 31, row_step_B - (1 << 32), row_step_B).to(torch.int32)
+    bits = _fmix32_wrapping_(row_step[:, None] ^ token[None, :])
+    return (bits >> 8).bitwise_and_(0xFFFFFF)
+
+
+@functools.cache
+def int32_hash_wraps(device: torch.device) -> bool:
+    """Whether int32 multiplies wrap modulo 2**32 on `device` (checked once against the int64 hash).
+
+    C++ leaves signed overflow undefined; CPU and CUDA kernels wrap in practice, but a backend that
+    saturates or traps would silently change every draw, so the int64 hash stays the fallback.
+    """
+    edges = torch.tensor([0, 1, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, 0x9E3779B1, 0x12345678], device=device)
+    wraps = torch.equal(_uniform_bits_int32(edges, 70001).long(), _uniform_bits_int64(edges, 70001))
+    if not wraps:
+        logger.warning("int32 multiplies do not wrap on %s: keyed sampling noise uses int64 arithmetic", device)
+    return wraps
 
 
 def row_keys(seed: int, rows: Tensor) -> Tensor:
@@ -75,12 +127,25 @@ def row_keys(seed: int, rows: Tensor) -> Tensor:
 
 
 def counter_exponential(keys_B: Tensor, steps_B: Tensor, vocab: int) -> Tensor:
-    """Exp(1) noise (B, V) float32 that is a pure function of (key, step, token id) per row."""
+    """Exp(1) noise (B, V) float32 that is a pure function of (key, step, token id) per row.
+
+    Graph-capturable once `int32_hash_wraps(device)` has run outside the capture (its check syncs); the
+    paged path samples each row's first token eagerly, which runs it.
+    """
     row_step = _fmix32((keys_B + steps_B * 0x632BE5AB) & _MASK32)  # (B,)
-    token = torch.arange(vocab, device=keys_B.device, dtype=torch.int64) * 0x85157AF5
-    bits = _fmix32((row_step[:, None] ^ token[None, :]) & _MASK32) >> 8  # (B, V): 24 uniform bits
-    uniform = (bits.float() + 0.5) * (1.0 / (1 << 24))  # in (0, 1): log never sees 0
-    return -torch.log(uniform)
+    if int32_hash_wraps(keys_B.device):
+        bits = _uniform_bits_int32(row_step, vocab)  # (B, V)
+    else:
+        bits = _uniform_bits_int64(row_step, vocab)
+    uniform = bits.float().add_(0.5).mul_(1.0 / (1 << 24))  # in (0, 1): log never sees 0
+    return uniform.log_().neg_()
+
+
+def sampling_key(params: SamplingParams) -> tuple[float, int, float]:
+    """What a decode step's sampling depends on: (temperature, top_k, top_p); greedy ignores top-k/top-p."""
+    if params.temperature == 0.0:
+        return (0.0, 0, 1.0)
+    return (float(params.temperature), int(params.top_k), float(params.top_p))
 
 
 def sample_next(
@@ -102,8 +167,8 @@ def sample_next(
     else:
         race = torch.empty_like(scaled).exponential_(generator=generator)
     # argmax(p / E) == argmax(log p - log E), and log p differs from `filtered` by a per-row constant:
-    # no softmax over the vocabulary is needed to draw.
-    tokens = (filtered - race.log()).argmax(dim=-1)
+    # no softmax over the vocabulary is needed to draw. In place: no further (B, V) temporaries.
+    tokens = race.log_().neg_().add_(filtered).argmax(dim=-1)
     return tokens, _token_logprobs(scaled, tokens)
 
 

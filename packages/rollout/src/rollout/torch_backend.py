@@ -34,7 +34,7 @@ from rl_core.interfaces import Completion, SamplingParams
 from rollout.kv_cache import make_cache
 from rollout.paged_decoder import DEFAULT_BUCKETS, PagedDecoder
 from rollout.sampling import make_generator, sample_next, validate_params
-from rollout.scheduler import ContinuousBatcher, table_width
+from rollout.scheduler import DEFAULT_MAX_PREFILL_TOKENS, ContinuousBatcher, table_width
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +66,11 @@ class TorchGenerationBackend:
         block_size: positions per KV cache block (paged).
         kv_cache_tokens: size of the paged KV cache in positions; default: enough for max_num_seqs rows of
             the longest request of each call (grown when a later call needs more).
-        batch_buckets: decode batch sizes the paged step is padded to (one CUDA graph per bucket and width).
-        cuda_graphs: capture paged decode steps in CUDA graphs (CUDA only).
+        batch_buckets: decode batch sizes the paged step is padded to (one CUDA graph per bucket, width and
+            sampling parameters).
+        cuda_graphs: capture paged decode steps (sampling included) in CUDA graphs (CUDA only).
+        max_prefill_tokens: most prompt tokens in one packed prefill forward (paged); the prompts a refill
+            admits are prefilled in as few forwards as this allows (a longer prompt runs alone).
     """
 
     def __init__(
@@ -86,6 +89,7 @@ class TorchGenerationBackend:
         kv_cache_tokens: int | None = None,
         batch_buckets: Sequence[int] = DEFAULT_BUCKETS,
         cuda_graphs: bool = True,
+        max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -101,6 +105,8 @@ class TorchGenerationBackend:
         if block_size < 1 or (kv_cache_tokens is not None and kv_cache_tokens < block_size):
             raise ValueError(f"TorchGenerationBackend block_size={block_size}, kv_cache_tokens={kv_cache_tokens}; "
                              "expected block_size >= 1 and kv_cache_tokens >= block_size (or None: sized per call)")
+        if max_prefill_tokens < 1:
+            raise ValueError(f"TorchGenerationBackend max_prefill_tokens={max_prefill_tokens}; expected >= 1")
         if not 0.0 < compact_fraction <= 1.0:
             raise ValueError(f"TorchGenerationBackend compact_fraction={compact_fraction}; expected in (0, 1]")
         self.model_path = str(model_path)
@@ -129,9 +135,11 @@ class TorchGenerationBackend:
         self.decode = decode
         self._paged_options = dict(block_size=block_size, buckets=batch_buckets, cuda_graphs=cuda_graphs)
         self.kv_cache_tokens = kv_cache_tokens
+        self.max_prefill_tokens = max_prefill_tokens
         self.decoder = PagedDecoder(self.model, **self._paged_options) if decode == "paged" else None
         self.last_events: list[tuple[str, int, int]] = []  # paged: ("admit" | "finish", row, step)
         self.last_batch_sizes: list[int] = []  # paged: rows of each decode step
+        self.last_prefill_sizes: list[int] = []  # paged: prompt tokens of each packed prefill forward
         logger.info("torch generation backend: %s on %s (%s, %s decode)", self.model_path, self.device, dtype,
                     decode)
 
@@ -172,9 +180,11 @@ class TorchGenerationBackend:
         decoder.reserve(num_blocks=num_blocks, max_rows=rows, table_width=table_width(decoder, prompts, params))
         seed = params.seed if params.seed is not None else random.SystemRandom().getrandbits(32)
         stop_ids = set(self.eos_token_ids) | {int(t) for t in params.stop_token_ids}
-        batcher = ContinuousBatcher(decoder, prompts, params, stop_ids, max_num_seqs=self.max_num_seqs, seed=seed)
+        batcher = ContinuousBatcher(decoder, prompts, params, stop_ids, max_num_seqs=self.max_num_seqs, seed=seed,
+                                    max_prefill_tokens=self.max_prefill_tokens)
         completions = batcher.run()
         self.last_events, self.last_batch_sizes = batcher.events, batcher.batch_sizes
+        self.last_prefill_sizes = batcher.prefill_sizes
         return completions
 
     def _check_prompt(self, index: int, prompt: Sequence[int]) -> list[int]:
