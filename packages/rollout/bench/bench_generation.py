@@ -10,7 +10,8 @@ CPU (default): tiny qwen2 shapes, float32, `--threads` threads, the prompts of t
 
 CUDA: Qwen2.5-0.5B and -1.5B shapes (random weights, std 0.02, tied embeddings), bfloat16, 64 random
 prompts of 32-160 tokens x 8 samples x 256 new tokens; also ms per decode step at full batch (paged) and
-peak GPU memory.
+peak GPU memory. ms per decode step covers the whole step (forward, sampling inside it, the host copies
+of the sampled tokens), timed at the largest batch of the run.
 
     uv run python packages/rollout/bench/bench_generation.py --device cuda
 """
@@ -114,12 +115,12 @@ def bench_backend(path: str, prompts: list[list[int]], n: int, max_new: int, dev
     if decode == "paged":  # time each decode step (the scheduler syncs every step anyway)
         inner = backend.decoder.decode
 
-        def timed(tokens: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        def timed(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
             begin = time.perf_counter()
-            logits = inner(tokens, positions, tables)
+            sampled = inner(*args)  # tokens (rows,), logprobs (rows,): sampling is part of the step
             _sync(device)
-            step_ms.append((tables.shape[0], 1000 * (time.perf_counter() - begin)))
-            return logits
+            step_ms.append((sampled[0].shape[0], 1000 * (time.perf_counter() - begin)))
+            return sampled
 
         backend.decoder.decode = timed  # type: ignore[method-assign]
     _sync(device)

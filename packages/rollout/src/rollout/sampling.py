@@ -160,7 +160,7 @@ def sample_next(
     if params.temperature == 0.0:
         tokens = logits.argmax(dim=-1)
         return tokens, _token_logprobs(logits, tokens)
-    scaled = logits / params.temperature
+    scaled = logits if params.temperature == 1.0 else logits / params.temperature  # x / 1 == x: one pass fewer
     filtered = filter_logits(scaled, params.top_k, params.top_p)
     if keys_B is not None:
         race = counter_exponential(keys_B, steps_B, scaled.shape[-1])
