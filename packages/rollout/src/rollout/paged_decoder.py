@@ -200,8 +200,7 @@ class PagedDecoder:
         """The next token (b,) of b rows and its logprob (b,): last tokens (b,), their positions (b,), block
         tables (b, M), sampling keys (b,) and the tokens each row has sampled (b,: the draw's step counter).
 
-        Inputs are copied into the static buffers (tokens, positions, tables, steps: the scheduler's CPU
-        bookkeeping; keys: on the device)."""
+        Inputs (the scheduler's CPU bookkeeping) are copied into the static buffers."""
         rows = tables.shape[0]
         bucket = self.bucket_for(rows)
         # Attend over the blocks the longest row uses, not the whole table (rounded to a power of two
@@ -215,10 +214,10 @@ class PagedDecoder:
         self.tables[:rows, :width].copy_(tables, non_blocking=True)
         self.keys[:rows].copy_(keys, non_blocking=True)
         self.steps[:rows].copy_(steps, non_blocking=True)
-        # Padding rows: token 0 at position 0 of the null block, which no real row reads.
-        for buffer, fill in ((self.tokens, 0), (self.positions, 0), (self.tables, NULL_BLOCK), (self.keys, 0),
-                             (self.steps, 0)):
-            buffer[rows:bucket] = fill
+        if bucket > rows:  # padding rows: token 0 at position 0 of the null block, which no real row reads
+            for buffer, fill in ((self.tokens, 0), (self.positions, 0), (self.tables, NULL_BLOCK), (self.keys, 0),
+                                 (self.steps, 0)):
+                buffer[rows:bucket] = fill
         if not self._use_graphs:
             next_tokens, logprobs = self._decode_step(bucket, width, params)
         else:

@@ -78,7 +78,7 @@ class ContinuousBatcher:
         self.stop_ids, self.max_num_seqs, self.max_prefill_tokens = stop_ids, max_num_seqs, max_prefill_tokens
         self.cache = decoder.cache
         num_requests = len(prompts) * params.n
-        self.keys = row_keys(seed, torch.arange(num_requests)).to(decoder.device)
+        self.keys = row_keys(seed, torch.arange(num_requests))  # (requests,) on the CPU, like the bookkeeping
         self.waiting: deque[int] = deque(range(num_requests))
         self.prefixes: dict[int, _Prefix] = {}
         self.running: list[_Row] = []
@@ -162,9 +162,8 @@ class ContinuousBatcher:
                 if row.copy_on_write is not None:
                     self.cache.copy_block(*row.copy_on_write)
                 row.prefix = row.copy_on_write = None
-            tokens, logprobs = sample_next(logits, self.params, keys_B=self.keys[[r.request for r in admitted]],
-                                           steps_B=torch.zeros(len(admitted), dtype=torch.int64,
-                                                               device=logits.device))
+            keys = self.keys[[r.request for r in admitted]].to(logits.device)
+            tokens, logprobs = sample_next(logits, self.params, keys_B=keys, steps_B=torch.zeros_like(keys))
             self._append(admitted, tokens, logprobs)
             self.running += [row for row in admitted if self.results[row.request] is None]
         if self.waiting and not self.running:
