@@ -109,8 +109,8 @@ def bench_backend(path: str, prompts: list[list[int]], n: int, max_new: int, dev
     backend = TorchGenerationBackend(path, device=device, dtype=dtype, decode=decode, max_num_seqs=max_num_seqs,
                                      eos_token_ids=[EOS])
     params = SamplingParams(n=n, temperature=1.0, max_new_tokens=max_new, seed=0)
-    if decode == "paged" and device == "cuda":  # capture the full-batch graphs outside the timed run
-        backend.generate(prompts, SamplingParams(n=n, temperature=1.0, max_new_tokens=8, seed=1))
+    if decode == "paged" and device == "cuda":  # capture the graphs (every bucket and width) outside the timed run
+        backend.generate(prompts, SamplingParams(n=n, temperature=1.0, max_new_tokens=max_new, seed=1))
     step_ms: list[tuple[int, float]] = []
     if decode == "paged":  # time each decode step (the scheduler syncs every step anyway)
         inner = backend.decoder.decode
