@@ -35,15 +35,18 @@ def assert_same_completions(a, b, atol=1e-5):
         torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=atol, rtol=0)
 
 
-def test_continuous_batching_equals_one_batch(tiny_ckpt, prompts, tokenizer):
-    """3 rows at a time with refills == all 15 rows in one batch, with stops making lengths differ."""
+@pytest.mark.parametrize("max_num_seqs", [1, 3, 7])
+def test_continuous_batching_equals_one_batch(tiny_ckpt, prompts, tokenizer, max_num_seqs):
+    """A few rows at a time with refills (and packed prefills of what each refill admits) == all 15 rows in
+    one batch, with stops making lengths differ."""
     one_batch = paged(tiny_ckpt, max_num_seqs=64, block_size=16)
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=24, seed=5, stop_token_ids=tokenizer.convert_tokens_to_ids(["e", "a"]))
     expected = one_batch.generate(prompts, params)
     assert one_batch.last_batch_sizes[0] == 15 and all(e[2] == 0 for e in one_batch.last_events if e[0] == "admit")
     assert len({len(c.token_ids) for c in expected}) > 2  # rows finish at different steps
-    continuous = paged(tiny_ckpt, max_num_seqs=3)
+    continuous = paged(tiny_ckpt, max_num_seqs=max_num_seqs)
     assert_same_completions(continuous.generate(prompts, params), expected)
+    assert max(continuous.last_batch_sizes) == max_num_seqs
 
 
 def test_refill_order_keeps_the_batch_full(tiny_ckpt, prompts, tokenizer):
