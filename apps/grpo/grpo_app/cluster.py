@@ -18,6 +18,7 @@ import ray._private.ray_constants as ray_constants
 import torch
 
 from grpo_app.config import GRPOConfig
+from grpo_app.devices import generation_tp_size
 from grpo_app.refit import RefitPath, refit_path
 from grpo_app.workers import GenerationWorker, PolicyWorker, RewardWorker
 from rl_core.batch import TokenBatch
@@ -139,6 +140,7 @@ class Workers:
             ray.get([w.attach_generator.remote(cfg.generation.backend, cfg.policy.model_name,
                                                cfg.generation.backend_kwargs) for w in self.policy])
             self.generators = list(self.policy)
+            tp = generation_tp_size(cfg.generation.backend_kwargs)
         else:
             self.generators = [
                 GenerationWorker.options(**placement.generation_options(i)).remote(
@@ -146,6 +148,9 @@ class Workers:
                     num_threads=threads)
                 for i in range(cfg.generation.num_workers)
             ]
+            tp = 1  # a generation worker spawns its own tensor-parallel workers
+        # one replica per group: its ranks get the same prompts (TP ranks step together), its first answers
+        self.replicas = [self.generators[i : i + tp] for i in range(0, len(self.generators), tp)]
         self.rewarders = [RewardWorker.options(num_cpus=0).remote(cfg.env.name, cfg.env.kwargs)
                           for _ in range(cfg.env.num_workers)]
         self.local_env = None if self.rewarders else create_environment(cfg.env.name, **cfg.env.kwargs)
@@ -211,10 +216,11 @@ class Workers:
         colocated = self.cfg.generation.colocated
         if colocated:
             ray.get([w.offload.remote() for w in self.policy] + [g.wake.remote() for g in self.generators])
-        offsets, offset = {}, 0
-        for generator, part in zip(self.generators, _split(prompts, len(self.generators))):
+        offsets, offset, followers = {}, 0, []
+        for (leader, *others), part in zip(self.replicas, _split(prompts, len(self.replicas))):
             if part:
-                offsets[generator.generate.remote(part, params)] = offset
+                offsets[leader.generate.remote(part, params)] = offset
+                followers += [g.generate.remote(part, params) for g in others]  # same tokens as the leader's
             offset += len(part)
         pending = list(offsets)
         while pending:
@@ -223,6 +229,7 @@ class Workers:
             for c in completions:
                 c.prompt_index += offsets[done[0]]
             yield completions
+        ray.get(followers)  # their errors surface here
         if colocated:
             ray.get([g.sleep.remote() for g in self.generators] + [w.onload.remote() for w in self.policy])
 

@@ -13,7 +13,8 @@ What `auto` means:
 - `generation.in_policy_workers` (when unset): true on cuda with `generation.colocated` (verl's hybrid
   engine: no NCCL group between two processes on one GPU), false otherwise (CPU runs as before).
 - `generation.backend_kwargs`: the generator runs on the policy's device and precision (`device`,
-  `dtype`); a vLLM generator inside the policy ranks uses vLLM's `external_launcher` executor.
+  `dtype`); a vLLM generator inside the policy ranks uses vLLM's `external_launcher` executor, one
+  replica per `tensor_parallel_size` ranks (`resolve_external_launcher`).
 """
 
 from __future__ import annotations
@@ -118,15 +119,52 @@ def resolve_generation(generation: dict, device: str, precision: str, world_size
                            "runs on the CPU (slow) and every refit copies the weights to host memory; remove the "
                            "key to generate on the policy's GPU")
     kwargs.setdefault("dtype", precision)
+    if device == "cpu" and kwargs.get("enable_sleep_mode"):  # else vllm.LLM fails inside a Ray actor
+        raise ConfigError("generation.backend_kwargs.enable_sleep_mode=true on cluster.device=cpu: vLLM's CPU backend "
+                          "has no sleep mode (vllm.LLM raises 'Sleep mode is not supported on current platform'); "
+                          "remove the key")
     if generation["in_policy_workers"] and backend not in BACKENDS_WITH_DEVICE_KWARG:
-        # vLLM inside the policy ranks: its workers join the ranks' torch.distributed world instead of
-        # spawning processes (verl's hybrid engine); the policy ranks are vLLM's data-parallel replicas.
-        kwargs.setdefault("distributed_executor_backend", "external_launcher")
-        tp = int(kwargs.get("tensor_parallel_size", 1))
-        if world_size % tp:
-            raise ConfigError(f"generation.backend_kwargs.tensor_parallel_size={tp} must divide "
-                              f"cluster.train_world_size={world_size} when the generator lives in the policy ranks")
-        kwargs.setdefault("data_parallel_size", world_size // tp)
+        resolve_external_launcher(kwargs, device, world_size)
+
+
+def generation_tp_size(backend_kwargs: dict[str, Any]) -> int:
+    """Policy ranks per generator replica when the generator lives in the policy ranks (vLLM's TP size)."""
+    return int(backend_kwargs.get("tensor_parallel_size", 1))
+
+
+def resolve_external_launcher(kwargs: dict[str, Any], device: str, world_size: int) -> None:
+    """vLLM inside the policy ranks (verl's hybrid engine): its workers join the ranks' torch.distributed
+    world instead of spawning processes, and every `tensor_parallel_size` consecutive ranks form one
+    independent replica that generates its own share of the prompts.
+
+    vLLM's `data_parallel_size` stays 1: with external_launcher, data_parallel_size > 1 makes the ranks
+    step in lockstep (an all-reduce and dummy batches every engine step, vllm/v1/engine/llm_engine.py
+    `has_unfinished_requests_dp`), so a rank without prompts of its own leaves the others waiting forever;
+    it exists for MoE expert parallelism, not for dense replicas.
+
+    On CPU, tensor_parallel_size must be 1: vLLM's CPU tensor-parallel all-reduce uses /dev/shm segments
+    named after the init method (vllm/v1/worker/cpu_worker.py `VLLM_DIST_IDENT`, vllm/distributed/
+    device_communicators/cpu_communicator.py `make_group_name`), which is the constant "env://" under
+    external_launcher. Every such run on a machine uses the same names: a second one, or any run after a
+    killed one (the segments stay), fails with "create shm in SHMManager failed. errno: 17" (EEXIST).
+    """
+    kwargs.setdefault("distributed_executor_backend", "external_launcher")
+    tp = generation_tp_size(kwargs)
+    if world_size % tp:
+        raise ConfigError(f"generation.backend_kwargs.tensor_parallel_size={tp} must divide "
+                          f"cluster.train_world_size={world_size} when the generator lives in the policy ranks")
+    if device == "cpu" and tp > 1:
+        raise ConfigError(f"generation.backend_kwargs.tensor_parallel_size={tp} with generation.in_policy_workers=true "
+                          "on cluster.device=cpu: vLLM's CPU tensor parallelism under external_launcher names its "
+                          "/dev/shm segments after the fixed 'env://' init method, so a second run on this machine or "
+                          "any run after a killed one fails ('create shm in SHMManager failed. errno: 17'); use "
+                          "tensor_parallel_size=1 (every policy rank its own replica) or generation.in_policy_workers"
+                          "=false")
+    if int(kwargs.get("data_parallel_size", 1)) != 1:
+        raise ConfigError(f"generation.backend_kwargs.data_parallel_size={kwargs['data_parallel_size']} with "
+                          "generation.in_policy_workers=true: every tensor-parallel group of policy ranks is already "
+                          "its own vLLM replica, and vLLM's data parallelism would make the ranks wait on each other "
+                          "every step (a rank without prompts hangs the rest); remove the key")
 
 
 def resolve_auto(data: dict[str, Any], hw: Hardware) -> dict[str, Any]:
