@@ -10,6 +10,7 @@ Every failure is a ConfigError naming the key or file and the fix; main() turns 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import inspect
 import logging
 import math
@@ -150,6 +151,17 @@ def check_cluster_address(address: str | None) -> None:
                           f"--port={port}`) or leave cluster.address unset for a local Ray") from None
 
 
+def check_backend_installed(cfg: GRPOConfig, backend_cls: type) -> None:
+    """A local run's generation backend finds its optional modules (else it fails inside a Ray actor); on a
+    cluster the workers' Python is not the driver's, so it is not checked."""
+    if cfg.cluster.address:
+        return
+    for module, install in getattr(backend_cls, "required_modules", {}).items():
+        if importlib.util.find_spec(module) is None:
+            raise ConfigError(f"generation.backend={cfg.generation.backend!r} needs the Python module {module!r}, "
+                              f"which this environment lacks: {install}; or set generation.backend=torch")
+
+
 def resolve_model(cfg: GRPOConfig) -> GRPOConfig:
     name = cfg.policy.model_name
     if name.startswith(TINY_PREFIX):
@@ -200,6 +212,7 @@ def preflight(cfg: GRPOConfig) -> GRPOConfig:
     engine_cfg = engine_cls.validate_config(cfg.policy) if isinstance(engine_cls, ValidatesConfig) else None
     backend_cls = GENERATION_BACKENDS.get(cfg.generation.backend, config_key="generation.backend")
     check_kwargs(backend_cls, cfg.generation.backend_kwargs, "generation.backend_kwargs", given=("model_path",))
+    check_backend_installed(cfg, backend_cls)
     check_environment(cfg)
     cfg = resolve_model(cfg)
     check_hardware(cfg.cluster, detect_hardware())

