@@ -72,6 +72,28 @@ def _split(items: Sequence[Any], parts: int) -> list[list[Any]]:
     return [list(items[i * size : (i + 1) * size]) for i in range(parts)]
 
 
+def generate_by_replica(replicas: list[list[Any]], prompts: list[list[int]],
+                        params: SamplingParams) -> Iterator[list[Completion]]:
+    """Split `prompts` over the replicas (lists of generator actors: a tensor-parallel group of policy ranks,
+    or one generation worker) and yield each replica's completions as soon as it finishes, prompt indices
+    into `prompts`. Every rank of a replica gets the same prompts (TP ranks step together); the first
+    rank's completions are the replica's."""
+    offsets, offset, followers = {}, 0, []
+    for (leader, *others), part in zip(replicas, _split(prompts, len(replicas))):
+        if part:
+            offsets[leader.generate.remote(part, params)] = offset
+            followers += [g.generate.remote(part, params) for g in others]  # same tokens as the leader's
+        offset += len(part)
+    pending = list(offsets)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        completions = ray.get(done[0])
+        for c in completions:
+            c.prompt_index += offsets[done[0]]
+        yield completions
+    ray.get(followers)  # their errors surface here
+
+
 @ray.remote(num_cpus=0)
 def _node_address() -> tuple[str, int]:
     return ray.util.get_node_ip_address(), free_port()
@@ -216,20 +238,7 @@ class Workers:
         colocated = self.cfg.generation.colocated
         if colocated:
             ray.get([w.offload.remote() for w in self.policy] + [g.wake.remote() for g in self.generators])
-        offsets, offset, followers = {}, 0, []
-        for (leader, *others), part in zip(self.replicas, _split(prompts, len(self.replicas))):
-            if part:
-                offsets[leader.generate.remote(part, params)] = offset
-                followers += [g.generate.remote(part, params) for g in others]  # same tokens as the leader's
-            offset += len(part)
-        pending = list(offsets)
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            completions = ray.get(done[0])
-            for c in completions:
-                c.prompt_index += offsets[done[0]]
-            yield completions
-        ray.get(followers)  # their errors surface here
+        yield from generate_by_replica(self.replicas, prompts, params)
         if colocated:
             ray.get([g.sleep.remote() for g in self.generators] + [w.onload.remote() for w in self.policy])
 
