@@ -92,7 +92,6 @@ def test_vllm_in_the_policy_ranks_with_one_and_two_ranks(tmp_path):
         assert (record["rollout/reward_mean"], record["rollout/gen_len_mean"]) == (
             one["rollout/reward_mean"], one["rollout/gen_len_mean"])
         assert math.isclose(record["train/loss"], one["train/loss"], abs_tol=1e-5)
-    assert runs[1][1]["train/loss"] != runs[1][0]["train/loss"]  # training moved the policy between rollouts
 
 
 @pytest.mark.slow

@@ -4,7 +4,8 @@ The ranks are forked gloo processes that hold what a `PolicyWorker` holds: the D
 `GeneratorHost.attach_generator`, a vLLM engine built from the resolved config. After one optimizer step and
 the in-process refit, vLLM's logprobs of its own completions must equal the trained policy's (the engine's
 forward and an independent HF model loaded with the exported weights), while the logprobs from before the
-step differ from them by far more than the tolerance, so a refit that never reached vLLM's weights fails.
+step differ from them by far more than the tolerance, and the greedy completions change: a refit that never
+reached vLLM's weights fails.
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ def _train_refit_generate(rank: int, world_size: int, model_path: str) -> dict[s
     return {"vllm_vs_policy": float((gen_after - policy_after).abs().max()),
             "vllm_vs_hf": float((gen_after - hf_after).abs().max()),
             "stale_vs_policy": float((gen_before - policy_before).abs().max()),
-            "num_tokens": float(len(gen_after))}
+            "num_tokens": float(len(gen_after)),
+            "greedy_changed": float([c.token_ids for c in after] != [c.token_ids for c in before])}
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +99,4 @@ def test_refit_reaches_vllm_inside_the_policy_rank(tiny_ckpt, world_size):
         assert result["vllm_vs_policy"] <= TOLERANCE, (rank, result)
         assert result["vllm_vs_hf"] <= TOLERANCE, (rank, result)
         assert result["stale_vs_policy"] > 100 * TOLERANCE, (rank, result)  # the step moved the logprobs
+        assert result["greedy_changed"], (rank, result)  # and what vLLM generates after the refit
