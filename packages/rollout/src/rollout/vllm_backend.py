@@ -110,6 +110,7 @@ class VLLMGenerationBackend:
         self._refit = ("tensors" if _in_process() else "path") if refit == "auto" else refit
         self._sleeping = False
         self._sleep_mode = enable_sleep_mode
+        self._weights_awake = True  # asleep, update_weights brings the weights back before the KV cache
         self._refit_dir: str | None = None
         from vllm.platforms import current_platform
 
@@ -174,6 +175,12 @@ class VLLMGenerationBackend:
         Strict: every name and shape is checked against the checkpoint before anything is loaded.
         """
         weights = check_named_tensors(named_tensors, self._shapes, self.model_path)
+        if self._sleeping and self._sleep_mode and not self._weights_awake:
+            # Asleep, the weights sit in host memory (level 1) or nowhere (level 2), and a full wake_up would
+            # copy the old host copy over whatever is loaded now: wake the weights alone first (verl's order);
+            # wake() brings the KV cache back.
+            self.llm.wake_up(tags=["weights"])
+            self._weights_awake = True
         if self._refit == "tensors":
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         else:
@@ -200,19 +207,22 @@ class VLLMGenerationBackend:
     def sleep(self, level: int = 1) -> None:
         """vLLM sleep mode: level 1 offloads weights and drops the KV cache, level 2 drops both.
 
-        Without `enable_sleep_mode=True` (or on CPU, where vLLM ignores it) this only blocks generation.
+        Without `enable_sleep_mode=True` this only blocks generation (vLLM's CPU backend has no sleep mode).
+        A refit while asleep is fine: `update_weights` wakes the weights first.
         """
         if self._sleep_mode:
             self.llm.sleep(level=level)
         else:
             logger.info("vLLM sleep mode is off (enable_sleep_mode=False): sleep() releases no memory")
         self._sleeping = True
+        self._weights_awake = False
 
     def wake(self) -> None:
-        """Undo `sleep` (vLLM `wake_up`)."""
+        """Undo `sleep` (vLLM `wake_up`; only the KV cache when a refit already woke the weights)."""
         if self._sleep_mode:
-            self.llm.wake_up()
+            self.llm.wake_up(tags=["kv_cache"] if self._weights_awake else None)
         self._sleeping = False
+        self._weights_awake = True
 
     def __del__(self) -> None:
         if getattr(self, "_refit_dir", None):
