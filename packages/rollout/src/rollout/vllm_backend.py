@@ -129,8 +129,8 @@ class VLLMGenerationBackend:
         )
         self._warned_truncated = False
         self._shapes = checkpoint_shapes(self.model_path)  # for strict refit checks; empty for .bin checkpoints
-        logger.info("vllm generation backend: %s (tp=%d, refit via %s)", self.model_path, tensor_parallel_size,
-                    self._refit)
+        logger.info("vllm generation backend: %s (tp=%d, refit via %s%s)", self.model_path, tensor_parallel_size,
+                    self._refit, "" if enable_sleep_mode else "; sleep mode off: sleep() will release no memory")
 
     def _vllm_params(self, params: SamplingParams) -> Any:
         if (params.top_p < 1.0 or params.top_k > 0) and params.temperature > 0 and not self._warned_truncated:
@@ -212,8 +212,6 @@ class VLLMGenerationBackend:
         """
         if self._sleep_mode:
             self.llm.sleep(level=level)
-        else:
-            logger.info("vLLM sleep mode is off (enable_sleep_mode=False): sleep() releases no memory")
         self._sleeping = True
         self._weights_awake = False
 
