@@ -2,30 +2,18 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from torch import nn
 
 from engine_dtensor.attention import segment_sdpa_forward
 from engine_dtensor.forward import build_packed_inputs
+from seqpack.testing import reference_packed_attention
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int], window: int | None) -> torch.Tensor:
-    """Explicit scores / causal block mask / softmax in float64, GQA by repeating kv heads."""
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    t = q.shape[2]
-    seg = torch.zeros(t, dtype=torch.long)
-    for i, (s, e) in enumerate(zip(cu[:-1], cu[1:])):
-        seg[s:e] = i
-    allowed = (seg[:, None] == seg[None, :]) & torch.ones(t, t, dtype=torch.bool).tril()
-    if window is not None:  # key j visible from query i iff i - window < j <= i
-        allowed &= torch.ones(t, t, dtype=torch.bool).triu(-(window - 1))
-    scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
-    return (probs @ v).transpose(1, 2)  # (1, T, H, D)
+    """seqpack's float64 reference in HF's layout: (1, H, T, D) in, (1, T, H, D) out."""
+    return reference_packed_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, window)[None]
 
 
 @pytest.mark.parametrize("window", [None, 4, 100])

@@ -4,28 +4,12 @@ packed tests); here the CUDA-only varlen call is checked against its documented 
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from seqpack import attention
 from seqpack.attention import packed_causal_attention, varlen_causal_attention
-
-
-def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int], window: int | None) -> torch.Tensor:
-    """(T, H, D) explicit scores / causal block mask / softmax in float64, GQA by repeating kv heads."""
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    t = q.shape[0]
-    seg = torch.zeros(t, dtype=torch.long)
-    for i, (s, e) in enumerate(zip(cu[:-1], cu[1:])):
-        seg[s:e] = i
-    allowed = (seg[:, None] == seg[None, :]) & torch.ones(t, t, dtype=torch.bool).tril()
-    if window is not None:  # key j visible from query i iff i - window < j <= i
-        allowed &= torch.ones(t, t, dtype=torch.bool).triu(-(window - 1))
-    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
-    return torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), v)
+from seqpack.testing import reference_packed_attention as _reference
 
 
 @pytest.mark.parametrize("window", [None, 4, 100])
