@@ -19,7 +19,7 @@ import torch
 
 from grpo_app.config import GRPOConfig
 from grpo_app.devices import generation_tp_size
-from grpo_app.refit import RefitPath, refit_path
+from grpo_app.refit import RefitPath, num_gpus_needed, refit_path
 from grpo_app.workers import GenerationWorker, PolicyWorker, RewardWorker
 from rl_core.batch import TokenBatch
 from rl_core.config import ConfigError
@@ -99,22 +99,42 @@ def _node_address() -> tuple[str, int]:
     return ray.util.get_node_ip_address(), free_port()
 
 
+def wait_for_placement(group: Any, needed: int, *, can_grow: bool, every_s: float = 60.0) -> None:
+    """Wait until Ray has placed `group` (`needed` one-GPU bundles). A local Ray that sees fewer GPUs can
+    never place it (Ray would wait silently forever): that is a ConfigError; a cluster nodes can join
+    (cluster.address) is waited for, saying every `every_s` what it lacks."""
+    total = int(ray.cluster_resources().get("GPU", 0))
+    if not can_grow and total < needed:
+        raise ConfigError(
+            f"the layout needs {needed} GPU(s) but Ray sees {total} on this machine: set cluster.gpus_per_node "
+            f"(and cluster.train_world_size) to what it has, or check CUDA_VISIBLE_DEVICES")
+    waited = 0.0
+    while True:
+        try:
+            ray.get(group.ready(), timeout=every_s)
+            return
+        except ray.exceptions.GetTimeoutError:
+            waited += every_s
+            logger.warning("waited %.0f s for %d one-GPU bundles: the Ray cluster has %d GPU(s), %d free",
+                           waited, needed, int(ray.cluster_resources().get("GPU", 0)),
+                           int(ray.available_resources().get("GPU", 0)))
+
+
 class Placement:
     """Where actors go. On CPU: anywhere on the local Ray (no GPUs to pin). On GPUs: one placement-group
-    bundle per policy rank (PACK: fill nodes in order); colocated generation workers share those bundles'
-    GPUs, separate ones get bundles of their own after the policy's."""
+    bundle per GPU the layout needs (`num_gpus_needed`): the policy ranks' first (PACK: fill nodes in
+    order), then those of generation workers on GPUs of their own; generation inside the policy ranks
+    needs none (refit_path refuses a separate generation worker sharing a policy rank's GPU)."""
 
     def __init__(self, cfg: GRPOConfig) -> None:
         self.cfg = cfg
         self.group = None
-        self.share = 0.5 if cfg.generation.colocated else 1.0
         if cfg.cluster.gpus_per_node:
             from ray.util.placement_group import placement_group
 
-            extra = 0 if cfg.generation.colocated else cfg.generation.num_workers
-            bundles = [{"GPU": 1, "CPU": 1}] * (cfg.cluster.train_world_size + extra)
-            self.group = placement_group(bundles, strategy="PACK")
-            ray.get(self.group.ready())
+            needed = num_gpus_needed(cfg)
+            self.group = placement_group([{"GPU": 1, "CPU": 1}] * needed, strategy="PACK")
+            wait_for_placement(self.group, needed, can_grow=bool(cfg.cluster.address))
 
     def _options(self, bundle: int, num_gpus: float) -> dict[str, Any]:
         if self.group is None:
@@ -125,12 +145,10 @@ class Placement:
             self.group, placement_group_bundle_index=bundle)}
 
     def policy_options(self, rank: int) -> dict[str, Any]:
-        return self._options(rank, self.share if self.cfg.generation.colocated else 1.0)
+        return self._options(rank, 1.0)
 
     def generation_options(self, index: int) -> dict[str, Any]:
-        world = self.cfg.cluster.train_world_size
-        bundle = index % world if self.cfg.generation.colocated else world + index
-        return self._options(bundle, self.share if self.cfg.generation.colocated else 1.0)
+        return self._options(self.cfg.cluster.train_world_size + index, 1.0)
 
     def rendezvous(self, rank: int) -> tuple[str, int]:
         """(ip, free port) on the node of policy rank `rank`; 127.0.0.1 for a local CPU run."""
