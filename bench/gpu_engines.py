@@ -11,16 +11,22 @@ loss on the second half of each. Layouts: packed (sequence packing, --mb-tokens 
 unpacked (dynamic batching, padded rows, the same token budget).
 
 Each (model, engine, layout) runs in a fresh process (spawned: CUDA) so peaks and first calls are its own.
-Reported per run: first `train_batch` wall time (new lengths: kernel planning, allocator growth),
-warm time (median of --repeats more calls on the same batch), tokens/s warm, MFU = model FLOPs / warm
-time / the bf16 GEMM rate measured in the same process (FLOPs by bench/mfu.model_flops: 6 N T +
-12 L d sum len^2), peak GPU memory (torch.cuda.max_memory_allocated), loss and grad norm of the warm call.
+Reported per run: the process's first `train_batch` (one-time costs: allocator growth, kernel loading,
+optimizer state; on other lengths), then the measured batch's first call (new lengths, as every GRPO step
+brings: per-shape kernel planning; issue 13's target is new / warm <= 1.3), warm time (median of
+--repeats more calls on the same batch), tokens/s warm, MFU = model FLOPs / warm time / the bf16 GEMM
+rate measured in the same process (FLOPs by bench/mfu.model_flops: 6 N T + 12 L d sum len^2), peak GPU
+memory (torch.cuda.max_memory_allocated), loss and grad norm of the process's first call (the same
+weights and batch for every engine and layout, so comparable; later calls follow each engine's optimizer
+steps: after two AdamW steps at lr 1e-5 the first GPU run showed dtensor -0.108 / 0.79 and megatron
+-0.027 / 1.06).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import statistics
 import time
 from pathlib import Path
@@ -92,7 +98,7 @@ def _timed(device: str, fn) -> tuple[float, dict]:
 
 
 def _rank_fn(rank: int, world: int, model: str, engine_name: str, packed: bool, lengths: list[int],
-             mb_tokens: int, repeats: int, device: str, gemm_n: int) -> dict:
+             warmup_lengths: list[int], mb_tokens: int, repeats: int, device: str, gemm_n: int) -> dict:
     from mfu import model_flops
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -106,28 +112,36 @@ def _rank_fn(rank: int, world: int, model: str, engine_name: str, packed: bool, 
     config = AutoConfig.from_pretrained(model)
     with torch.device("meta"):
         flops, _ = model_flops(AutoModelForCausalLM.from_config(config), lengths)
-    batch = make_batch(lengths, config.vocab_size, seed=0)
-    batch = batch.with_fields(prev_logprobs=engine.compute_logprobs(batch))
     loss = ClippedPGLoss()
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    first, _ = _timed(device, lambda: engine.train_batch(batch, loss))
-    warm = [_timed(device, lambda: engine.train_batch(batch, loss)) for _ in range(repeats)]
-    metrics = warm[-1][1]
-    warm_s = statistics.median(t for t, _ in warm)
-    return {"first_s": first, "warm_s": warm_s, "tokens_per_s": sum(lengths) / warm_s,
+    # 1. the process's first step (one-time costs) on other lengths; its loss and grad norm are comparable
+    #    across engines and layouts: same weights, same batch, prev logprobs from the engine itself
+    warmup = make_batch(warmup_lengths, config.vocab_size, seed=1)
+    warmup = warmup.with_fields(prev_logprobs=engine.compute_logprobs(warmup))
+    first, metrics = _timed(device, lambda: engine.train_batch(warmup, loss))
+    # 2. new lengths, as every GRPO step brings (no logprob pass first: it would plan the forward's shapes)
+    batch = make_batch(lengths, config.vocab_size, seed=0)
+    uniform = math.log(config.vocab_size)  # a std-0.02 model's logprobs are ~ -log V: ratios near 1
+    batch = batch.with_fields(prev_logprobs=[torch.full((n,), -uniform) for n in lengths])
+    new, _ = _timed(device, lambda: engine.train_batch(batch, loss))
+    # 3. the same lengths again
+    warm_s = statistics.median(_timed(device, lambda: engine.train_batch(batch, loss))[0] for _ in range(repeats))
+    return {"first_s": first, "new_s": new, "warm_s": warm_s, "tokens_per_s": sum(lengths) / warm_s,
             "mfu": flops / warm_s / rate, "gemm_tflops": rate / 1e12, "loss": metrics["loss"],
             "grad_norm": metrics["grad_norm"],
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")}
 
 
-def measure(model: Path, engine: str, packed: bool, lengths: list[int], args: argparse.Namespace) -> dict:
+def measure(model: Path, engine: str, packed: bool, lengths: list[int], warmup_lengths: list[int],
+            args: argparse.Namespace) -> dict:
     from rl_core.testing.distributed import CUDA_BACKEND, run_distributed
 
     backend = CUDA_BACKEND if args.device == "cuda" else "gloo"
     return run_distributed(_rank_fn, world_size=1, timeout=1800.0, backend=backend,
                            start_method="spawn" if args.device == "cuda" else None,
-                           args=(str(model), engine, packed, lengths, args.mb_tokens, args.repeats, args.device,
+                           args=(str(model), engine, packed, lengths, warmup_lengths, args.mb_tokens, args.repeats,
+                                 args.device,
                                  256 if args.tiny else 8192))[0]
 
 
@@ -150,21 +164,22 @@ def main() -> None:
         args.seqs, args.median, args.max_len, args.mb_tokens, args.repeats = 8, 24, 64, 256, 1
     setup_logging()
     lengths = long_tail_lengths(args.seqs, median=args.median, max_len=args.max_len, seed=1)
+    warmup_lengths = long_tail_lengths(args.seqs, median=args.median, max_len=args.max_len, seed=2)
     rows = []
     for name in args.models.split(","):
         model = build_model(f"{name}-tiny" if args.tiny else name, dict(MODELS[name], **(TINY if args.tiny else {})))
         for layout in args.layouts.split(","):
             for engine in args.engines.split(","):
-                r = measure(model, engine, layout == "packed", lengths, args)
+                r = measure(model, engine, layout == "packed", lengths, warmup_lengths, args)
                 logger.info("%s %s %s: %s", name, engine, layout, r)
                 peak = "n/a" if args.device == "cpu" else f"{r['peak_gib']:.1f}"
-                rows.append([name, engine, layout, r["first_s"], r["warm_s"], f"{r['first_s'] / r['warm_s']:.2f}",
+                rows.append([name, engine, layout, r["first_s"], r["new_s"], r["warm_s"], f"{r['new_s'] / r['warm_s']:.2f}",
                              f"{r['tokens_per_s']:.0f}", f"{100 * r['mfu']:.1f}%", f"{r['gemm_tflops']:.3g}", peak,
                              f"{r['loss']:.4g}", f"{r['grad_norm']:.4g}"])
     print(f"\ntrain_batch, {len(lengths)} sequences ({sum(lengths)} tokens, median {args.median}, max "
           f"{max(lengths)}), bf16, {args.mb_tokens}-token micro-batches, device {args.device}"
           f"{' (tiny models)' if args.tiny else ''}; MFU against the bf16 GEMM rate measured in each run\n")
-    print(markdown_table(["model", "engine", "layout", "first s", "warm s", "first / warm", "tokens/s", "MFU",
+    print(markdown_table(["model", "engine", "layout", "first s", "new lengths s", "warm s", "new / warm", "tokens/s", "MFU",
                           "GEMM TFLOP/s", "peak GiB", "loss", "grad norm"], rows))
 
 

@@ -67,18 +67,23 @@ WORKLOADS = {
 }
 
 
-def trl_python() -> Path:
+def trl_python(given: str | None = None) -> Path:
     """The TRL venv's python, (re)created with uv if it is missing, broken, or holds another torch build.
+
+    `given` (--trl-python) skips the venv: a python that already has trl 1.16 and our torch, for machines
+    without a package registry (the GPU kit installs trl beside the project).
 
     uv resolves torch from PyPI like the workspace lock (and reuses its cached wheels), so both sides run
     the same torch build: the CUDA wheel imports ~290 MB more than a CPU-only one, per process.
     """
     import torch
 
-    python = TRL_VENV / "bin" / "python"
+    python = Path(given) if given else TRL_VENV / "bin" / "python"
     check = [str(python), "-c", "import trl, torch; assert trl.__version__ == '1.16.0', trl.__version__; "
              f"assert torch.__version__ == {torch.__version__!r}, torch.__version__"]
-    if python.exists() and subprocess.run(check, capture_output=True).returncode == 0:
+    if given or (python.exists() and subprocess.run(check, capture_output=True).returncode == 0):
+        if given:
+            subprocess.run(check, check=True)
         return python
     logger.info("creating the TRL venv at %s (%s, torch %s)", TRL_VENV, " ".join(TRL_PINS), torch.__version__)
     subprocess.run(["uv", "venv", "--clear", "--python", sys.executable, str(TRL_VENV)], check=True)
@@ -161,7 +166,8 @@ def run_ours(model: Path, work: Path, prompts_file: Path, load: Workload, engine
     return {**tree, "records": records}
 
 
-def run_trl(model: Path, work: Path, prompts: list[dict], load: Workload, device: str, threads: int) -> dict:
+def run_trl(model: Path, work: Path, prompts: list[dict], load: Workload, device: str, threads: int,
+            python: str | None = None) -> dict:
     spec = {"model": str(model), "prompts": prompts, "generations": load.generations,
             "max_new_tokens": load.max_new_tokens, "full_length": load.full_length, "lr": LR, "eps_low": EPS[0],
             "eps_high": EPS[1], "max_grad_norm": GRAD_NORM, "steps": load.steps, "seed": 42,
@@ -169,7 +175,7 @@ def run_trl(model: Path, work: Path, prompts: list[dict], load: Workload, device
             "output_dir": str(work / "trl-out")}
     work.mkdir(parents=True, exist_ok=True)
     (work / "trl_spec.json").write_text(json.dumps(spec))
-    cmd = [str(trl_python()), str(ROOT / "bench" / "trl_side.py"), str(work / "trl_spec.json"),
+    cmd = [str(trl_python(python)), str(ROOT / "bench" / "trl_side.py"), str(work / "trl_spec.json"),
            str(work / "trl_out.json")]
     logger.info("TRL: %s", " ".join(cmd))
     tree = run_tree(cmd, work / "trl.log", device == "cuda")
@@ -195,6 +201,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2,
                         help="ours then TRL, this many times: each round's ratio is measured back to back")
     parser.add_argument("--skip-trl", action="store_true")
+    parser.add_argument("--trl-python", help="a python with trl 1.16 and this torch (default: a uv venv)")
     parser.add_argument("--dry-run", action="store_true", help="print the workload and commands' configs, run nothing")
     args = parser.parse_args()
     engines = args.engines.split(",")
@@ -237,7 +244,7 @@ def main() -> None:
             rows.append(row)
         if args.skip_trl:
             continue
-        trl = run_trl(model, work / f"round{round_}", prompts, load, args.device, threads)
+        trl = run_trl(model, work / f"round{round_}", prompts, load, args.device, threads, args.trl_python)
         trl_step = statistics.median(trl["step_s"][args.warmup:])
         rows.append([f"{round_}", "TRL 1.16 GRPOTrainer", trl_step, f"{trl['peak']:.0f}", f"{trl['pss']:.0f}",
                      f"{trl.get('gpu_peak_allocated_gib', float('nan')):.2f}", f"{trl['gpu_smi_mib']:.0f}",
