@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Every GPU check of the project on one GPU, part by part, each under its own time limit with its own log
+# (a part that hangs is killed, the next one still runs). From the workspace root:
+#   bash bench/gpu_suite.sh LOG_DIR [PART ...]      PART: tests engines-0.5b engines-8x2048 generation grpo
+# Default: every part (~30 min on an H100). Durations measured on one H100 (2026-11-23) in brackets:
+#   tests           pytest -m gpu over the workspace (20 tests; ~5 min: the two trainer tests start Ray)
+#   engines-0.5b    bench/gpu_engines.py, 0.5B shape, both engines x packed/unpacked   [~4.5 min]
+#   engines-8x2048  the same on 8 layers x hidden 2048                                [not run yet]
+#   generation      packages/rollout/bench/bench_generation.py --device cuda (0.5B, 1.5B) [0.5B ~1.5 min]
+#   grpo            bench/grpo_vs_trl.py --device cuda, both engines and TRL, one round [not run yet]
+# PYTHON (default python3) runs everything: `uv run` users set PYTHON="uv run python". A part that runs Ray
+# leaves the Ray session's logs in LOG_DIR/ray-<part>.tgz (a placement group Ray cannot place is logged
+# there by its autoscaler, not by the trainer).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:?usage: bash bench/gpu_suite.sh LOG_DIR [PART ...]}; shift
+mkdir -p "$out"
+parts=("$@"); [ ${#parts[@]} -eq 0 ] && parts=(tests engines-0.5b engines-8x2048 generation grpo)
+py=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+
+run() {  # run PART LIMIT_S COMMAND...: log to LOG_DIR/PART.log, the exit code at its end
+  local part=$1 limit=$2; shift 2
+  echo "== $part (limit ${limit}s): $*" | tee "$out/$part.log"
+  local start=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" >> "$out/$part.log" 2>&1
+  local rc=$?
+  echo "== $part: exit $rc after $((SECONDS - start)) s$([ $rc -eq 124 ] && echo ' (time limit)')" | tee -a "$out/$part.log"
+  [ -d /tmp/ray/session_latest/logs ] && tar czf "$out/ray-$part.tgz" -C /tmp/ray/session_latest logs 2>/dev/null
+  rm -rf /tmp/ray/session_latest
+}
+
+for part in "${parts[@]}"; do
+  case $part in
+    tests) run tests 560 $py -m pytest -m gpu -v -p no:cacheprovider -rfE --timeout 300 packages apps tests ;;
+    engines-0.5b) run engines-0.5b 560 $py bench/gpu_engines.py --models 0.5b ;;
+    engines-8x2048) run engines-8x2048 560 $py bench/gpu_engines.py --models 8x2048 ;;
+    generation) run generation 560 $py packages/rollout/bench/bench_generation.py --device cuda ;;
+    grpo) run grpo 560 $py bench/grpo_vs_trl.py --device cuda --engines dtensor,megatron --rounds 1 \
+            ${TRL_PYTHON:+--trl-python "$TRL_PYTHON"} ;;
+    *) echo "unknown part '$part': choose from tests engines-0.5b engines-8x2048 generation grpo" >&2; exit 2 ;;
+  esac
+done
