@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from rl_core.checkpoint_io import CheckpointError, atomic_dir, verify_manifest, write_manifest
-from rl_core.config import BUILTIN_ENGINE_SECTIONS
 
 logger = logging.getLogger(__name__)
 
@@ -118,11 +117,9 @@ class CheckpointManager:
 def run_identity(cfg: Any) -> dict[str, Any]:
     """What a checkpoint can only be resumed under: the model, the engine and its layout, the task."""
     policy = cfg.policy
-    engine = policy.engine_name
-    section_name = "engine_cfg" if policy.engine_cfg else BUILTIN_ENGINE_SECTIONS.get(engine, "engine_cfg")
-    identity = {"policy.model_name": policy.model_name, "policy.engine": engine,
+    identity = {"policy.model_name": policy.model_name, "policy.engine": policy.engine_name,
                 "cluster.train_world_size": cfg.cluster.train_world_size, "env.name": cfg.env.name}
-    identity.update({f"policy.{section_name}.{key}": value for key, value in sorted(policy.engine_options.items())
+    identity.update({f"{policy.engine_options_key}.{key}": value for key, value in sorted(policy.engine_options.items())
                      if key.endswith("parallel_size")})
     return identity
 

@@ -24,7 +24,6 @@ from grpo_app.devices import check_hardware, detect_hardware
 from grpo_app.model_check import check_model_dir
 from grpo_app.model_shapes import SHAPE_PREFIX, cached_shape_checkpoint
 from rl_core.config import (
-    BUILTIN_ENGINE_SECTIONS,
     ConfigError,
     OptimizerConfig,
     closest_key,
@@ -118,8 +117,7 @@ def check_layout(cfg: GRPOConfig, engine_cfg: Any) -> None:
 
     degrees = _model_parallel(engine_cfg)
     product = math.prod(degrees.values())
-    section = "policy." + ("engine_cfg" if cfg.policy.engine_cfg
-                           else BUILTIN_ENGINE_SECTIONS.get(cfg.policy.engine_name, "engine_cfg"))
+    section = cfg.policy.engine_options_key
     world = cfg.cluster.train_world_size
     if world % product:
         layout = " x ".join(f"{k.upper()}={v}" for k, v in degrees.items())

@@ -21,6 +21,10 @@ def test_unknown_key_names_the_closest() -> None:
         match=r"policy\.dtensor_cfg\.tensor_paralel_size.*did you mean 'policy\.dtensor_cfg\.tensor_parallel_size'",
     ):
         DTensorConfig.from_policy(policy)
+    # the same typo under policy.engine_cfg (engine chosen by policy.engine) names that section
+    policy = make_policy("/nowhere", engine="dtensor", engine_cfg={"tensor_paralel_size": 2})
+    with pytest.raises(ConfigError, match=r"'policy\.engine_cfg\.tensor_paralel_size'.*policy\.engine_cfg\.tensor_parallel_size"):
+        DTensorConfig.from_policy(policy)
 
 
 def test_precision_resolution_and_cross_field_checks() -> None:

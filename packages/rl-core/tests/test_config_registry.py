@@ -75,6 +75,18 @@ def test_policy_engine_key_selects_any_name_and_names_conflicts():
         PolicyConfig(model_name="m", engine_cfg={"seed": 1})
 
 
+@pytest.mark.parametrize("kwargs,key", [
+    ({}, "policy.dtensor_cfg"),
+    ({"megatron_cfg": {"enabled": True}}, "policy.megatron_cfg"),
+    ({"engine": "megatron", "megatron_cfg": {"seed": 3}}, "policy.megatron_cfg"),
+    ({"engine": "megatron", "engine_cfg": {"seed": 4}}, "policy.engine_cfg"),
+    ({"engine": "dtensor", "engine_cfg": {"compile": True}}, "policy.engine_cfg"),
+    ({"engine": "titan"}, "policy.engine_cfg"),
+])
+def test_engine_options_key_names_the_section_the_options_came_from(kwargs, key):
+    assert PolicyConfig(model_name="m", **kwargs).engine_options_key == key
+
+
 def test_registry_entry_points_and_unknown_names():
     assert {"dtensor", "megatron"} <= set(ENGINES.names())
 

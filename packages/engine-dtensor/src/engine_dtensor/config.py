@@ -44,7 +44,7 @@ class DTensorConfig:
     @classmethod
     def from_policy(cls, policy: PolicyConfig) -> DTensorConfig:
         """Validate `policy.dtensor_cfg` and resolve `precision` against `policy.precision`."""
-        cfg = parse_config(cls, policy.engine_options, "policy.dtensor_cfg")
+        cfg = parse_config(cls, policy.engine_options, policy.engine_options_key)
         precision = cfg.precision or policy.precision
         if precision not in ("float32", "bfloat16"):
             raise ConfigError(

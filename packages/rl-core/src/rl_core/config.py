@@ -289,6 +289,13 @@ class PolicyConfig:
             return self._own_options(self.engine_name)
         return dict(self.engine_cfg)
 
+    @property
+    def engine_options_key(self) -> str:
+        """The dotted key `engine_options` came from (error messages name what the user wrote)."""
+        if self.engine_name in BUILTIN_ENGINE_SECTIONS and not self.engine_cfg:
+            return f"policy.{BUILTIN_ENGINE_SECTIONS[self.engine_name]}"
+        return "policy.engine_cfg"
+
 
 # The built-in engines' own sections (the seeds' spelling); any other engine reads `policy.engine_cfg`.
 BUILTIN_ENGINE_SECTIONS = {"dtensor": "dtensor_cfg", "megatron": "megatron_cfg"}
