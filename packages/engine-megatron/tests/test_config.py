@@ -31,6 +31,26 @@ def test_nested_sections_are_checked_against_megatron() -> None:
         parse_megatron_config({"distributed_data_parallel_config": {"bucket_sise": 10}})
 
 
+def test_errors_name_policy_engine_cfg_when_the_options_came_from_there() -> None:
+    from engine_megatron.engine import MegatronEngine
+    from rl_core.config import PolicyConfig, parse_config
+
+    def policy(options: dict) -> PolicyConfig:
+        return parse_config(PolicyConfig, {"model_name": "unused", "engine": "megatron", "engine_cfg": options},
+                            "policy")
+
+    with pytest.raises(ConfigError, match=r"'policy\.engine_cfg\.tensor_model_paralel_size'.*did you mean "
+                                          r"'policy\.engine_cfg\.tensor_model_parallel_size'"):
+        MegatronEngine.validate_config(policy({"tensor_model_paralel_size": 2}))
+    with pytest.raises(ConfigError, match=r"policy\.engine_cfg\.optimizer\.adam_beta3"):
+        MegatronEngine.validate_config(policy({"optimizer": {"adam_beta3": 0.9}}))
+    with pytest.raises(ConfigError, match=r"policy\.engine_cfg\.pipeline_model_parallel_size must be >= 1"):
+        MegatronEngine.validate_config(policy({"pipeline_model_parallel_size": 0}))
+    tp4 = policy({"tensor_model_parallel_size": 4})
+    with pytest.raises(ConfigError, match=r"policy\.engine_cfg\.tensor_model_parallel_size=4 must divide"):
+        resolve_settings(tp4, MegatronEngine.validate_config(tp4), tiny_config("qwen2"), world_size=4, use_cuda=False)
+
+
 def test_transformer_keys_pass_through_and_user_wins() -> None:
     cfg = parse_megatron_config({"bias_dropout_fusion": False, "moe_aux_loss_coeff": 0.01})
     assert cfg.transformer_config == {"bias_dropout_fusion": False, "moe_aux_loss_coeff": 0.01}

@@ -118,15 +118,6 @@ class MegatronConfig:
     converted_checkpoint_dir: str | None = None  # cache of HF -> megatron conversions; None: ~/.cache
     transformer_config: dict[str, Any] = field(default_factory=dict)  # filled from the unknown keys
 
-    def __post_init__(self) -> None:
-        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                    "expert_model_parallel_size", "expert_tensor_parallel_size"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"{SECTION}.{key} must be >= 1; got {getattr(self, key)}")
-        _check_fields("optimizer", self.optimizer, _optimizer_fields())
-        _check_fields("scheduler", self.scheduler, _scheduler_fields())
-        _check_fields("distributed_data_parallel_config", self.distributed_data_parallel_config, _ddp_fields())
-
     @property
     def tp(self) -> int:
         return self.tensor_model_parallel_size
@@ -170,17 +161,18 @@ def _scheduler_fields() -> list[str]:
     return [n for n in inspect.signature(OptimizerParamScheduler.__init__).parameters if n not in ("self", "optimizer")]
 
 
-def _check_fields(key: str, values: dict[str, Any], valid: list[str]) -> None:
+def _check_fields(section: str, key: str, values: dict[str, Any], valid: list[str]) -> None:
     for name in values:
         if name not in valid:
             near = closest_key(name, valid)
-            hint = f"; did you mean '{SECTION}.{key}.{near}'?" if near else ""
-            raise ConfigError(f"unknown config key '{SECTION}.{key}.{name}'{hint} (checked against megatron's "
+            hint = f"; did you mean '{section}.{key}.{near}'?" if near else ""
+            raise ConfigError(f"unknown config key '{section}.{key}.{name}'{hint} (checked against megatron's "
                               f"{key} fields)")
 
 
-def parse_megatron_config(raw: dict[str, Any]) -> MegatronConfig:
-    """Validate `policy.megatron_cfg`: own keys typed, the rest checked against TransformerConfig."""
+def parse_megatron_config(raw: dict[str, Any], section: str = SECTION) -> MegatronConfig:
+    """Validate the engine's section (`section`: where the user wrote it, `policy.megatron_cfg` or
+    `policy.engine_cfg`): own keys typed and checked, the rest checked against TransformerConfig."""
     own = [f.name for f in dataclasses.fields(MegatronConfig) if f.name != "transformer_config"]
     transformer = _transformer_fields()
     known, extra = {}, {}
@@ -191,10 +183,17 @@ def parse_megatron_config(raw: dict[str, Any]) -> MegatronConfig:
             extra[key] = value
         else:
             near = closest_key(key, own + transformer)
-            hint = f"; did you mean '{SECTION}.{near}'?" if near else ""
-            raise ConfigError(f"unknown config key '{SECTION}.{key}'{hint} Keys other than {sorted(own)} must be "
+            hint = f"; did you mean '{section}.{near}'?" if near else ""
+            raise ConfigError(f"unknown config key '{section}.{key}'{hint} Keys other than {sorted(own)} must be "
                               "fields of megatron.core's TransformerConfig.")
-    cfg = parse_config(MegatronConfig, known, SECTION)
+    cfg = parse_config(MegatronConfig, known, section)
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                "expert_model_parallel_size", "expert_tensor_parallel_size"):
+        if getattr(cfg, key) < 1:
+            raise ConfigError(f"{section}.{key} must be >= 1; got {getattr(cfg, key)}")
+    _check_fields(section, "optimizer", cfg.optimizer, _optimizer_fields())
+    _check_fields(section, "scheduler", cfg.scheduler, _scheduler_fields())
+    _check_fields(section, "distributed_data_parallel_config", cfg.distributed_data_parallel_config, _ddp_fields())
     cfg.transformer_config = extra
     return cfg
 
@@ -218,60 +217,61 @@ class ResolvedSettings:
 def resolve_settings(policy: PolicyConfig, cfg: MegatronConfig, hf_config: Any, world_size: int,
                      use_cuda: bool) -> ResolvedSettings:
     """Cross-field checks (fail before any model is built) and the automatic settings."""
+    section = policy.engine_options_key
     model_parallel = cfg.tp * cfg.pp * cfg.cp
     if world_size % model_parallel:
         raise ConfigError(f"world size {world_size} is not divisible by TP*PP*CP = {cfg.tp}*{cfg.pp}*{cfg.cp}; "
-                          f"change {SECTION}.tensor/pipeline/context_model_parallel_size or the number of ranks")
+                          f"change {section}.tensor/pipeline/context_model_parallel_size or the number of ranks")
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     if heads % cfg.tp or kv_heads % cfg.tp:
-        raise ConfigError(f"{SECTION}.tensor_model_parallel_size={cfg.tp} must divide the model's attention heads "
+        raise ConfigError(f"{section}.tensor_model_parallel_size={cfg.tp} must divide the model's attention heads "
                           f"({heads}) and key/value heads ({kv_heads}); choose a TP size that divides {math.gcd(heads, kv_heads)}")
     num_layers = hf_config.num_hidden_layers
     if num_layers % cfg.pp:
-        raise ConfigError(f"{SECTION}.pipeline_model_parallel_size={cfg.pp} must divide num_hidden_layers={num_layers}")
+        raise ConfigError(f"{section}.pipeline_model_parallel_size={cfg.pp} must divide num_hidden_layers={num_layers}")
     packing = policy.sequence_packing.enabled
     if cfg.cp > 1 and not packing:
-        raise ConfigError(f"{SECTION}.context_parallel_size={cfg.cp} needs packed sequences: set "
+        raise ConfigError(f"{section}.context_parallel_size={cfg.cp} needs packed sequences: set "
                           "policy.sequence_packing.enabled=true (CP shards the load-balanced packed layout)")
     attention = attention_backend(use_cuda)
     if cfg.cp > 1 and attention != "transformer_engine":
-        raise ConfigError(f"{SECTION}.context_parallel_size={cfg.cp} needs CUDA and transformer-engine (megatron's "
+        raise ConfigError(f"{section}.context_parallel_size={cfg.cp} needs CUDA and transformer-engine (megatron's "
                           "local attention has no context parallelism); install transformer-engine or use "
                           "context_parallel_size=1")
     num_experts = getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None)
     if cfg.ep > 1 and (not num_experts or num_experts % cfg.ep):
-        raise ConfigError(f"{SECTION}.expert_model_parallel_size={cfg.ep} must divide the number of experts "
+        raise ConfigError(f"{section}.expert_model_parallel_size={cfg.ep} must divide the number of experts "
                           f"({num_experts or 'none: a dense model'})")
     if (world_size // model_parallel) * cfg.cp * cfg.tp % (cfg.ep * cfg.expert_tensor_parallel_size):
-        raise ConfigError(f"{SECTION}.expert_model_parallel_size={cfg.ep} x expert_tensor_parallel_size must divide "
+        raise ConfigError(f"{section}.expert_model_parallel_size={cfg.ep} x expert_tensor_parallel_size must divide "
                           f"DP*CP*TP = {world_size // model_parallel * cfg.cp * cfg.tp}")
     sp = cfg.sequence_parallel if cfg.sequence_parallel is not None else cfg.tp > 1
     if sp and cfg.tp == 1:
-        logger.warning("%s.sequence_parallel=true with TP=1 does nothing; turning it off", SECTION)
+        logger.warning("%s.sequence_parallel=true with TP=1 does nothing; turning it off", section)
         sp = False
     pack_multiple = 2 * cfg.cp * cfg.tp if cfg.cp * cfg.tp > 1 else 1
     seq_multiple = pack_multiple if cfg.cp > 1 else (cfg.tp if sp else 1)
-    overrides = _automatic_overrides(cfg, use_cuda)
+    overrides = _automatic_overrides(cfg, use_cuda, section)
     return ResolvedSettings(sequence_parallel=sp, packing=packing, pack_multiple=pack_multiple,
                             seq_multiple=seq_multiple, transformer_overrides=overrides, use_cuda=use_cuda,
                             attention=attention)
 
 
-def _fusions(cfg: MegatronConfig, use_cuda: bool) -> dict[str, bool]:
+def _fusions(cfg: MegatronConfig, use_cuda: bool, section: str) -> dict[str, bool]:
     """Each fusion on when CUDA is present and its library imports; a user key wins unless it asks for a
     fusion that cannot run here."""
     available = available_fusions() if use_cuda else dict.fromkeys(FUSION_LIBRARIES, False)
     for name, library in FUSION_LIBRARIES.items():
         if cfg.transformer_config.get(name) and not available[name]:
             where = "this machine has no CUDA" if not use_cuda else f"{library} does not import"
-            raise ConfigError(f"{SECTION}.{name}=true needs {library}, and {where}; install it or set "
-                              f"{SECTION}.{name}=false (or leave it out: it is on whenever it can run)")
+            raise ConfigError(f"{section}.{name}=true needs {library}, and {where}; install it or set "
+                              f"{section}.{name}=false (or leave it out: it is on whenever it can run)")
     return dict(available)
 
 
-def _automatic_overrides(cfg: MegatronConfig, use_cuda: bool) -> dict[str, Any]:
-    out: dict[str, Any] = _fusions(cfg, use_cuda)
+def _automatic_overrides(cfg: MegatronConfig, use_cuda: bool, section: str) -> dict[str, Any]:
+    out: dict[str, Any] = _fusions(cfg, use_cuda, section)
     # gloo has no batched p2p that megatron's interleaved schedule can use correctly (the probe measured
     # silently wrong grads with batch_p2p_comm=True under gloo): use single send/recv without CUDA.
     out["batch_p2p_comm"] = use_cuda

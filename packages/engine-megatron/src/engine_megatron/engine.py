@@ -66,7 +66,7 @@ class MegatronEngine(TrainingEngine):
     @classmethod
     def validate_config(cls, policy: PolicyConfig) -> MegatronConfig:
         """Check `policy.megatron_cfg` (incl. TransformerConfig keys) without building anything."""
-        return parse_megatron_config(policy.engine_options)
+        return parse_megatron_config(policy.engine_options, policy.engine_options_key)
 
     def __init__(self, policy: PolicyConfig) -> None:
         from ckpt_convert.mcore_model import load_hf_config, mcore_model_config
