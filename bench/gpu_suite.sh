@@ -6,7 +6,8 @@
 #   tests           pytest -m gpu over the workspace (20 tests; ~5 min: the two trainer tests start Ray)
 #   engines-0.5b    bench/gpu_engines.py, 0.5B shape, both engines x packed/unpacked   [~4.5 min]
 #   engines-8x2048  the same on 8 layers x hidden 2048                                [not run yet]
-#   generation      packages/rollout/bench/bench_generation.py --device cuda (0.5B, 1.5B) [0.5B ~1.5 min]
+#   generation      packages/rollout/bench/bench_generation.py --device cuda (0.5B, 1.5B) [0.5B < 3 min;
+#                   1.5B: its checkpoint build and HF's row took most of 140 s, ours not measured yet]
 #   grpo            bench/grpo_vs_trl.py --device cuda, both engines and TRL, one round [not run yet]
 # PYTHON (default python3) runs everything: `uv run` users set PYTHON="uv run python". A part that runs Ray
 # leaves the Ray session's logs in LOG_DIR/ray-<part>.tgz (a placement group Ray cannot place is logged
