@@ -98,8 +98,9 @@ def _timed(device: str, fn) -> tuple[float, dict]:
 
 
 def _rank_fn(rank: int, world: int, model: str, engine_name: str, packed: bool, lengths: list[int],
-             warmup_lengths: list[int], mb_tokens: int, repeats: int, device: str, gemm_n: int) -> dict:
-    from mfu import model_flops
+             warmup_lengths: list[int], mb_tokens: int, repeats: int, device: str, gemm_n: int,
+             profile_top: int) -> dict:
+    from mfu import model_flops, profile_pass
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from rl_core.losses import ClippedPGLoss
@@ -127,10 +128,11 @@ def _rank_fn(rank: int, world: int, model: str, engine_name: str, packed: bool, 
     new, _ = _timed(device, lambda: engine.train_batch(batch, loss))
     # 3. the same lengths again
     warm_s = statistics.median(_timed(device, lambda: engine.train_batch(batch, loss))[0] for _ in range(repeats))
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
+    profiled = profile_pass(engine, batch, loss, profile_top, device) if profile_top else None
     return {"first_s": first, "new_s": new, "warm_s": warm_s, "tokens_per_s": sum(lengths) / warm_s,
             "mfu": flops / warm_s / rate, "gemm_tflops": rate / 1e12, "loss": metrics["loss"],
-            "grad_norm": metrics["grad_norm"],
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")}
+            "grad_norm": metrics["grad_norm"], "peak_gib": peak, "profile": profiled}
 
 
 def measure(model: Path, engine: str, packed: bool, lengths: list[int], warmup_lengths: list[int],
@@ -141,8 +143,7 @@ def measure(model: Path, engine: str, packed: bool, lengths: list[int], warmup_l
     return run_distributed(_rank_fn, world_size=1, timeout=1800.0, backend=backend,
                            start_method="spawn" if args.device == "cuda" else None,
                            args=(str(model), engine, packed, lengths, warmup_lengths, args.mb_tokens, args.repeats,
-                                 args.device,
-                                 256 if args.tiny else 8192))[0]
+                                 args.device, 256 if args.tiny else 8192, args.profile))[0]
 
 
 def main() -> None:
@@ -157,6 +158,8 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=2048)
     parser.add_argument("--mb-tokens", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="after the timed calls, profile one more and print its top N operators")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here; use --device cpu --tiny to check the script runs")
@@ -165,12 +168,15 @@ def main() -> None:
     setup_logging()
     lengths = long_tail_lengths(args.seqs, median=args.median, max_len=args.max_len, seed=1)
     warmup_lengths = long_tail_lengths(args.seqs, median=args.median, max_len=args.max_len, seed=2)
-    rows = []
+    rows, profiles = [], []
     for name in args.models.split(","):
         model = build_model(f"{name}-tiny" if args.tiny else name, dict(MODELS[name], **(TINY if args.tiny else {})))
         for layout in args.layouts.split(","):
             for engine in args.engines.split(","):
                 r = measure(model, engine, layout == "packed", lengths, warmup_lengths, args)
+                profile = r.pop("profile")
+                if profile:
+                    profiles.append((f"{name} {engine} {layout}", *profile))
                 logger.info("%s %s %s: %s", name, engine, layout, r)
                 peak = "n/a" if args.device == "cpu" else f"{r['peak_gib']:.1f}"
                 rows.append([name, engine, layout, r["first_s"], r["new_s"], r["warm_s"], f"{r['new_s'] / r['warm_s']:.2f}",
@@ -181,6 +187,10 @@ def main() -> None:
           f"{' (tiny models)' if args.tiny else ''}; MFU against the bf16 GEMM rate measured in each run\n")
     print(markdown_table(["model", "engine", "layout", "first s", "new lengths s", "warm s", "new / warm", "tokens/s", "MFU",
                           "GEMM TFLOP/s", "peak GiB", "loss", "grad norm"], rows))
+    unit = "CUDA" if args.device == "cuda" else "CPU"
+    for run, top, summary in profiles:
+        print(f"\n{run}: top operators of one warm train_batch by self {unit} time ({summary})\n")
+        print(markdown_table(["op", "calls", f"self {unit} s", "share"], top))
 
 
 if __name__ == "__main__":

@@ -52,15 +52,25 @@ def model_flops(model: torch.nn.Module, lengths: list[int]) -> tuple[float, int]
     return float(dense + attention), n_matmul
 
 
-def profile_pass(engine, batch, loss, top: int) -> list[list]:
+def profile_pass(engine, batch, loss, top: int, device: str = "cpu") -> tuple[list[list], str]:
+    """The top operators of one train_batch by self time on `device` (CUDA kernels on a GPU, else CPU), and
+    a line comparing the pass's wall time with that summed self time: far apart on a GPU means the step
+    waits on the host (Python, launches, syncs), not on kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    cuda = device == "cuda"
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
         engine.train_batch(batch, loss)
-    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
-    total = sum(e.self_cpu_time_total for e in events)
-    return [[e.key, e.count, e.self_cpu_time_total / 1e6, f"{100 * e.self_cpu_time_total / total:.1f}%"]
-            for e in events[:top]]
+        if cuda:
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    events = sorted(prof.key_averages(), key=lambda e: -getattr(e, attr))
+    total = sum(getattr(e, attr) for e in events)
+    rows = [[e.key, e.count, getattr(e, attr) / 1e6, f"{100 * getattr(e, attr) / total:.1f}%"] for e in events[:top]]
+    where = "CUDA kernels" if cuda else "CPU operators"
+    return rows, f"wall {wall:.2f} s (profiled), {where} {total / 1e6:.2f} s of self time"
 
 
 def main() -> None:
@@ -106,8 +116,9 @@ def main() -> None:
              f"MFU {100 * achieved / rates['fp32']:.0f}% of fp32 GEMM ({100 * achieved / rates['bf16']:.0f}% of bf16)"]]
     print(markdown_table(["what", "GFLOP/s", "utilisation"], rows))
     if args.profile:
-        print("\nTop operators of one train_batch by self CPU time (torch.profiler):\n")
-        print(markdown_table(["op", "calls", "self CPU s", "share"], profile_pass(engine, batch, loss, 15)))
+        rows, summary = profile_pass(engine, batch, loss, 15)
+        print(f"\nTop operators of one train_batch by self CPU time (torch.profiler; {summary}):\n")
+        print(markdown_table(["op", "calls", "self CPU s", "share"], rows))
 
 
 if __name__ == "__main__":
