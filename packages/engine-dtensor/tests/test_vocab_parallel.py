@@ -1,4 +1,5 @@
-"""Vocab-parallel target logprobs and entropy against float64 log_softmax over the full vocabulary."""
+"""Vocab-parallel target logprobs and entropy (rl_core's kernel on the DTensor engine's torch.chunk vocabulary
+layout, TP=2 over gloo) against float64 log_softmax over the full vocabulary."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine_dtensor.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
+from rl_core.logprobs import vocab_parallel_logprobs
 from rl_core.testing.distributed import run_distributed
 
 N, V, T = 24, 37, 0.7  # V not divisible by 2: the last shard is smaller (torch.chunk layout)
@@ -36,9 +37,9 @@ def _sharded(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor, torch.T
     chunk = -(-V // world)
     local = logits[:, rank * chunk : (rank + 1) * chunk].clone().requires_grad_()
     group = dist.group.WORLD if world > 1 else None
-    lp = vocab_parallel_logprobs(local, targets, vocab_start=rank * chunk, group=group, temperature=T)
+    lp, entropy = vocab_parallel_logprobs(local, targets, vocab_start=rank * chunk, group=group, temperature=T,
+                                          chunk_tokens=5, with_entropy=True)
     (lp * weights).sum().backward()
-    entropy = vocab_parallel_entropy(local.detach(), group=group, temperature=T)
     return lp.detach(), local.grad, entropy
 
 

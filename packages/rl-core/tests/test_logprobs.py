@@ -1,20 +1,16 @@
-"""Token-chunked logprobs and entropy: equal to the unchunked float64 computation (values and grads),
-and no float32 tokens x vocab intermediate beyond the chunk, forward or backward."""
+"""The engines' fused logprob kernel: target logprobs, their gradient and the entropy equal the float64
+log-softmax over the whole tensor at once, for any chunking, with padded vocabulary columns ignored; and no
+float32 tokens x vocab intermediate beyond the chunk, forward or backward."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from rl_core.logprobs import chunked_over_tokens, scaled_float_logits, vocab_parallel_entropy
+from rl_core.logprobs import vocab_parallel_logprobs
 from rl_core.testing.memory import LargestTensors
 
 QWEN_VOCAB = 151936
-
-
-def _logprob(rows: torch.Tensor, targets: torch.Tensor, temperature: float = 0.7) -> torch.Tensor:
-    logp = torch.log_softmax(scaled_float_logits(rows, temperature), -1)
-    return logp.gather(-1, targets[:, None])[:, 0]
 
 
 def _reference(logits: torch.Tensor, targets: torch.Tensor, temperature: float, vocab_size: int | None = None):
@@ -33,29 +29,43 @@ def _reference(logits: torch.Tensor, targets: torch.Tensor, temperature: float, 
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 16, 1000])
-def test_chunked_logprobs_entropy_and_grads_equal_the_unchunked_float64(chunk: int) -> None:
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_entropy_and_grads_equal_the_unchunked_float64(chunk: int, temperature: float) -> None:
     torch.manual_seed(0)
     logits = (torch.randn(3, 7, 50) * 3).requires_grad_()  # (B, S, V), 21 tokens
     targets = torch.randint(0, 50, (3, 7))
-    ref_lp, ref_entropy, ref_grad, weights = _reference(logits, targets, 0.7)
-    lp = chunked_over_tokens(_logprob, logits, targets, chunk_tokens=chunk)
+    ref_lp, ref_entropy, ref_grad, weights = _reference(logits, targets, temperature)
+    lp, entropy = vocab_parallel_logprobs(logits, targets, temperature=temperature, chunk_tokens=chunk,
+                                          with_entropy=True)
     (lp * weights.float()).sum().backward()
+    assert lp.shape == entropy.shape == (3, 7) and not entropy.requires_grad
     torch.testing.assert_close(lp.double(), ref_lp, rtol=0, atol=2e-6)
     torch.testing.assert_close(logits.grad.double(), ref_grad, rtol=0, atol=2e-6)
-    entropy = vocab_parallel_entropy(logits.detach(), temperature=0.7, chunk_tokens=chunk)
     torch.testing.assert_close(entropy.double(), ref_entropy, rtol=0, atol=5e-6)
+    alone, no_entropy = vocab_parallel_logprobs(logits.detach(), targets, temperature=temperature,
+                                                chunk_tokens=chunk)
+    assert no_entropy is None and torch.equal(alone, lp.detach())
 
 
-def test_entropy_gives_padded_vocabulary_columns_probability_zero() -> None:
+def test_padded_vocabulary_columns_get_probability_and_gradient_zero() -> None:
+    """Columns past vocab_size (megatron's padding) hold huge logits that must not count, on a rank whose
+    slice is partly padding and on one whose slice is all padding."""
     torch.manual_seed(1)
-    logits = torch.randn(9, 64)
+    logits = torch.randn(9, 64) * 2
+    logits[:, 50:] = 40.0
     targets = torch.randint(0, 50, (9,))
-    _, ref_entropy, _, _ = _reference(logits, targets, 1.3, vocab_size=50)
-    # columns 40..63 on a second "rank" holding vocab [40, 64) of a 50-token vocabulary: only 40..49 count
-    got = vocab_parallel_entropy(logits, temperature=1.3, vocab_size=50, chunk_tokens=4)
-    torch.testing.assert_close(got.double(), ref_entropy, rtol=0, atol=5e-6)
-    shard = scaled_float_logits(logits[:, 40:], 1.3, vocab_start=40, vocab_size=50)
-    assert torch.isinf(shard[:, 10:]).all() and torch.isfinite(shard[:, :10]).all()
+    ref_lp, ref_entropy, ref_grad, weights = _reference(logits, targets, 1.3, vocab_size=50)
+    for vocab_start, width in ((0, 64), (40, 24), (50, 14)):  # whole; [40, 64) of a 50-token vocabulary; padding only
+        local = logits[:, vocab_start:vocab_start + width].clone().requires_grad_()
+        lp, entropy = vocab_parallel_logprobs(local, targets, vocab_start=vocab_start, vocab_size=50,
+                                              temperature=1.3, chunk_tokens=4, with_entropy=True)
+        (lp * weights.float()).sum().backward()
+        assert torch.isfinite(local.grad).all()
+        if vocab_start == 0:  # one rank holds every real column: the full answer
+            torch.testing.assert_close(lp.double(), ref_lp, rtol=0, atol=2e-6)
+            torch.testing.assert_close(entropy.double(), ref_entropy, rtol=0, atol=5e-6)
+        padding = local.grad[:, max(50 - vocab_start, 0):]
+        assert padding.numel() and not padding.any()
 
 
 def test_no_fp32_intermediate_beyond_the_chunk_at_a_152k_vocabulary() -> None:
@@ -66,13 +76,13 @@ def test_no_fp32_intermediate_beyond_the_chunk_at_a_152k_vocabulary() -> None:
     logits = torch.randn(tokens, QWEN_VOCAB, dtype=torch.bfloat16).requires_grad_()
     targets = torch.randint(0, QWEN_VOCAB, (tokens,))
     with LargestTensors() as seen:
-        lp = chunked_over_tokens(_logprob, logits, targets, chunk_tokens=chunk)
-        vocab_parallel_entropy(logits.detach(), chunk_tokens=chunk)
+        lp, _ = vocab_parallel_logprobs(logits, targets, chunk_tokens=chunk, with_entropy=True)
         lp.sum().backward()
     assert seen.numel(torch.float32) <= chunk * QWEN_VOCAB, seen.largest
+    assert logits.grad.dtype == torch.bfloat16
     chunked_grad, logits.grad = logits.grad, None
     with LargestTensors() as unchunked:  # the bound is not vacuous: the whole batch at once is bigger
-        whole = chunked_over_tokens(_logprob, logits, targets, chunk_tokens=tokens)
+        whole, _ = vocab_parallel_logprobs(logits, targets, chunk_tokens=tokens)
         whole.sum().backward()
     assert unchunked.numel(torch.float32) == tokens * QWEN_VOCAB
     assert torch.equal(lp, whole)
@@ -81,4 +91,4 @@ def test_no_fp32_intermediate_beyond_the_chunk_at_a_152k_vocabulary() -> None:
 
 def test_chunk_tokens_must_be_positive() -> None:
     with pytest.raises(ValueError, match="logprob_chunk_tokens must be >= 1"):
-        chunked_over_tokens(_logprob, torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), chunk_tokens=0)
+        vocab_parallel_logprobs(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), chunk_tokens=0)

@@ -4,8 +4,8 @@ Owns the engine's life cycle: process group and mesh, model initialisation (meta
 weights streamed into the shards: loading.py), micro-batch planning with
 seqpack (every DP rank runs the same number of micro-batches, which FSDP's collectives need), the
 global loss normalisers, the optimizer step, checkpoints, export and offload. How the model is
-sharded lives in parallelize.py, the forward pass and logprob alignment in forward.py, vocab-parallel
-math in vocab_parallel.py, DCP and HF export in checkpoint.py.
+sharded lives in parallelize.py, the forward pass and logprob alignment in forward.py (the vocab-parallel
+logprob kernel is rl_core.logprobs', shared with engine-megatron), DCP and HF export in checkpoint.py.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import seqpack
 from engine_dtensor import checkpoint
 from engine_dtensor.attention import SEGMENT_SDPA
 from engine_dtensor.config import DTensorConfig
-from engine_dtensor.forward import build_packed_inputs, build_padded_inputs, forward_logprobs
+from engine_dtensor.forward import ModelInputs, build_packed_inputs, build_padded_inputs, forward_logprobs
 from engine_dtensor.loading import build_meta_model, materialize
 from engine_dtensor.optim import build_optimizer, build_scheduler, clip_grads_
 from engine_dtensor.parallel_dims import ParallelDims
@@ -111,15 +111,20 @@ class DTensorEngine(TrainingEngine):
         limits = micro_batch_limits(self.policy, training=train, seq_multiple=self.seq_multiple)
         return seqpack.plan_dp_micro_batches(lengths, group=self.dp_group, device=self.device, **limits)
 
-    def _sequence_logprobs(
-        self, seqs: list[Tensor], *, with_entropy: bool
-    ) -> tuple[list[Tensor], list[Tensor] | None]:
+    def _forward(self, seqs: list[Tensor], *, with_entropy: bool) -> tuple[ModelInputs, Tensor, Tensor | None]:
+        """The micro-batch's model inputs and its (B, S) logprobs (and entropies) on the device."""
         build = build_packed_inputs if self.policy.sequence_packing.enabled else build_padded_inputs
         inputs = build(seqs, attn_impl=self.attn_impl, seq_multiple=self.seq_multiple, device=self.device)
         logprobs, entropy = forward_logprobs(
             self.model, inputs, temperature=self.policy.temperature, with_entropy=with_entropy,
             chunk_tokens=self.policy.logprob_chunk_tokens,
         )
+        return inputs, logprobs, entropy
+
+    def _sequence_logprobs(
+        self, seqs: list[Tensor], *, with_entropy: bool
+    ) -> tuple[list[Tensor], list[Tensor] | None]:
+        inputs, logprobs, entropy = self._forward(seqs, with_entropy=with_entropy)
         return inputs.unpack(logprobs), None if entropy is None else inputs.unpack(entropy)
 
     def _dummy_micro_batch(self, batch: TokenBatch, *, backward: bool) -> None:
@@ -137,7 +142,8 @@ class DTensorEngine(TrainingEngine):
         num_tokens, num_seqs = self._all_reduce([batch.num_valid_tokens(), batch.num_valid_seqs()])
         plan = self._plan(batch.lengths, train=True)
         self.model.train(not forward_only)
-        local_loss, parts = 0.0, []
+        # device tensors, read once after the loop: a read per micro-batch would stall the host
+        local_loss, parts = torch.zeros((), device=self.device), []
         with torch.no_grad() if forward_only else nullcontext():
             for indices in plan.micro_batches:
                 if not indices:
@@ -151,10 +157,10 @@ class DTensorEngine(TrainingEngine):
                 loss, metrics = loss_fn(inputs)
                 if not forward_only:
                     loss.backward()
-                local_loss += float(loss.detach())
+                local_loss += loss.detach()
                 parts.append(metrics)
         metrics = all_reduce_metrics(combine_metrics(parts), group=self.dp_group)
-        (loss_sum,) = self._all_reduce([local_loss])
+        (loss_sum,) = self._all_reduce([float(local_loss)])
         return StepResult(loss=loss_sum, metrics=metrics, num_micro_batches=len(plan.micro_batches))
 
     @torch.no_grad()
@@ -162,16 +168,18 @@ class DTensorEngine(TrainingEngine):
         """Per-sequence (L_i,) float32 CPU logprobs in the batch's order (policy.temperature applied)."""
         plan = self._plan(batch.lengths, train=False)
         self.model.eval()
-        outputs: list[list[Tensor]] = []
+        pending: list[tuple[ModelInputs, Tensor] | None] = []
         for indices in plan.micro_batches:
             if not indices:
                 self._dummy_micro_batch(batch, backward=False)
-                outputs.append([])
+                pending.append(None)
                 continue
-            logprobs, _ = self._sequence_logprobs([batch.input_ids[i] for i in indices], with_entropy=False)
-            outputs.append(
-                [lp.float().cpu().clone() for lp in logprobs]
-            )  # compact: not views of the (B, S) rows
+            inputs, logprobs, _ = self._forward([batch.input_ids[i] for i in indices], with_entropy=False)
+            pending.append((inputs, logprobs))
+        # one device-to-host copy per micro-batch, after all of them were queued; compact tensors, not
+        # views of the (B, S) rows (a view pickles its whole storage)
+        outputs = [[] if item is None else [lp.clone() for lp in item[0].unpack(item[1].float().cpu())]
+                   for item in pending]
         return plan.restore(outputs)
 
     def snapshot_reference(self) -> None:

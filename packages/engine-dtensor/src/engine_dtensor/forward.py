@@ -23,8 +23,7 @@ from torch.distributed.tensor import DTensor
 
 import seqpack
 from engine_dtensor.attention import SEGMENT_SDPA
-from engine_dtensor.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
-from rl_core.logprobs import DEFAULT_LOGPROB_CHUNK_TOKENS, shift_align
+from rl_core.logprobs import DEFAULT_LOGPROB_CHUNK_TOKENS, shift_align, vocab_parallel_logprobs
 
 
 @dataclass
@@ -114,12 +113,9 @@ def forward_logprobs(
         logits = logits.to_local()
     # logits at t predict token t+1; the last column predicts nothing and is dropped below
     targets = torch.roll(inputs.input_ids, -1, dims=1)
-    next_lp = vocab_parallel_logprobs(
-        logits, targets, vocab_start=vocab_start, group=group, temperature=temperature, chunk_tokens=chunk_tokens
+    next_lp, entropy = vocab_parallel_logprobs(
+        logits, targets, vocab_start=vocab_start, group=group, temperature=temperature, chunk_tokens=chunk_tokens,
+        with_entropy=with_entropy,
     )
     logprobs = shift_align(next_lp[:, :-1])  # (B, S), 0 at t = 0
-    entropy = None
-    if with_entropy:
-        entropy = vocab_parallel_entropy(logits, group=group, temperature=temperature, chunk_tokens=chunk_tokens)
-        entropy = shift_align(entropy[:, :-1])
-    return logprobs, entropy
+    return logprobs, None if entropy is None else shift_align(entropy[:, :-1])

@@ -33,7 +33,7 @@ from engine_megatron.config import MegatronConfig, parse_megatron_config, resolv
 from engine_megatron.model import build_ddp_model, convert_once, export_hf_tensors, hf_export, load_converted
 from engine_megatron.optim import build_optimizer, build_scheduler, megatron_optimizer_config, optimizer_step
 from engine_megatron.parallel import broadcast_from_last_stage, init_model_parallel
-from engine_megatron.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
+from engine_megatron.vocab_parallel import vocab_parallel_logprobs
 from rl_core import checkpoint_io
 from rl_core.batch import LossFn, LossInputs, StepResult, TokenBatch
 from rl_core.config import PolicyConfig
@@ -54,9 +54,10 @@ class _StepState:
     num_valid_tokens: float = 0.0
     num_valid_seqs: float = 0.0
     scale: float = 1.0
-    losses: list[float] = field(default_factory=list)
-    metrics: list[dict[str, Any]] = field(default_factory=list)
-    logprobs: list[list[Tensor]] = field(default_factory=list)
+    # device tensors, read once after the schedule ran: a read per micro-batch would stall the host
+    losses: list[Tensor] = field(default_factory=list)
+    metrics: list[dict[str, Tensor]] = field(default_factory=list)
+    logprobs: list[tuple[Tensor, batching.MicroBatch] | None] = field(default_factory=list)
 
 
 @register_engine("megatron")
@@ -120,7 +121,8 @@ class MegatronEngine(TrainingEngine):
         state = _StepState(loss_fn=loss_fn, num_valid_tokens=float(counts[0]), num_valid_seqs=float(counts[1]),
                            scale=len(mbs) * self.ranks.dp_size / self.ranks.cp_size)
         self._run(mbs, state, forward_only=forward_only)
-        summary = broadcast_from_last_stage((sum(state.losses), combine_metrics(state.metrics)), self.ranks)
+        loss_sum = float(torch.stack(state.losses).sum()) if state.losses else 0.0
+        summary = broadcast_from_last_stage((loss_sum, combine_metrics(state.metrics)), self.ranks)
         loss, metrics = summary
         reduced = all_reduce_metrics({"loss": loss, **metrics}, group=dp_group)
         return StepResult(loss=reduced.pop("loss"), metrics=reduced, num_micro_batches=len(mbs))
@@ -134,7 +136,10 @@ class MegatronEngine(TrainingEngine):
         mbs = self._micro_batches(batch, mb_plan)
         state = _StepState(loss_fn=None)
         self._run(mbs, state, forward_only=True)
-        per_mb = broadcast_from_last_stage(state.logprobs, self.ranks)
+        # one device-to-host copy per micro-batch, after all of them were queued
+        per_mb = [[] if item is None else batching.per_sequence(item[0].float().cpu(), item[1])
+                  for item in state.logprobs]
+        per_mb = broadcast_from_last_stage(per_mb, self.ranks)
         return mb_plan.restore(per_mb)
 
     def snapshot_reference(self) -> None:
@@ -263,23 +268,23 @@ class MegatronEngine(TrainingEngine):
         state = self._state
         temperature = self.policy.temperature
         chunk = self.policy.logprob_chunk_tokens
-        logprobs = vocab_parallel_logprobs(logits, mb.targets, self.vocab_size, temperature, chunk)  # (B, S)
+        training = state.loss_fn is not None and bool(mb.weight)
+        logprobs, entropy = vocab_parallel_logprobs(logits, mb.targets, self.vocab_size, temperature, chunk,
+                                                    with_entropy=training)  # (B, S) each
         cp_group = ps.get_context_parallel_group() if self.ranks.cp_size > 1 else None
         if cp_group is not None:
             logprobs = batching.gather_cp(logprobs, mb, cp_group)
-        if state.loss_fn is None or not mb.weight:
+        if not training:
             if state.loss_fn is None:
-                state.logprobs.append([lp.float().cpu() for lp in batching.per_sequence(logprobs.detach(), mb)]
-                                      if mb.weight else [])
+                state.logprobs.append((logprobs.detach(), mb) if mb.weight else None)
             # a zero that still runs the backward (and its TP/PP collectives) like every other micro-batch
             return logits.sum().float() * 0.0, {}
-        entropy = vocab_parallel_entropy(logits, self.vocab_size, temperature, chunk)
         if cp_group is not None:
             entropy = batching.gather_cp(entropy, mb, cp_group).detach()
         inputs = LossInputs.from_sequences(
             mb.batch, batching.per_sequence(logprobs, mb), num_valid_tokens=state.num_valid_tokens,
             num_valid_seqs=state.num_valid_seqs, entropy=batching.per_sequence(entropy, mb))
         loss, metrics = state.loss_fn(inputs)
-        state.losses.append(float(loss.detach()))
-        state.metrics.append({k: float(v) for k, v in metrics.items()})
+        state.losses.append(loss.detach())
+        state.metrics.append({k: v.detach() if torch.is_tensor(v) else v for k, v in metrics.items()})
         return loss * state.scale, {}

@@ -1,22 +1,22 @@
-"""The logprob convention shared by engines and rollout backends, and the token-chunked computation.
+"""The logprob convention shared by engines and rollout backends, and the engines' fused logprob kernel.
 
 Logits are divided by the sampling temperature before the log-softmax, in float32, so that a trainer's
 recomputed logprobs and a sampler's logprobs describe the same distribution. Results are aligned with
 the tokens (rl_core.batch): position 0 gets 0.
 
-Memory: a float32 log-softmax over a 152k vocabulary costs 0.6 MB per token, and every intermediate
-(the fp32 copy, exp, softmax) is that size again. `chunked_over_tokens` runs a per-token statistic on
-`chunk_tokens` rows of the logits at a time and recomputes each chunk in backward, so no fp32
-intermediate exceeds chunk_tokens x vocab and backward holds one chunk's softmax at a time instead of
-every chunk's. The engines' logits themselves (model dtype) are not chunked here.
+`vocab_parallel_logprobs` is the one implementation of both engines: target logprobs (with grad) and,
+optionally, the entropy (a metric, no grad) from one pass over each chunk of logits, the vocabulary
+sharded over a process group (TP) or whole (`group=None`), padded vocabulary columns ignored.
 
-`vocab_parallel_entropy` is the one entropy implementation of both engines: vocabulary sharded over a
-process group (TP) or whole (`group=None`), padded vocabulary columns masked.
+Memory and traffic: a float32 log-softmax over a 152k vocabulary costs 0.6 MB per token, and each
+elementwise pass over it reads and writes that much again; on a GPU these passes, not the lm_head
+matmul, are what the logprobs cost. Tokens go through `chunk_tokens` rows at a time, so no float32
+intermediate exceeds chunk_tokens x vocab; a chunk keeps only its (model-dtype) logits and two floats per
+token for backward, which rebuilds the softmax from them: no second forward pass, no collective in
+backward. Entropy shares the forward's max, exp and normaliser instead of a pass of its own.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -40,84 +40,112 @@ def shift_align(next_token_logprobs: Tensor) -> Tensor:
     return torch.cat([pad, next_token_logprobs], dim=-1)
 
 
-def chunked_over_tokens(fn: Callable[..., Tensor], logits: Tensor, *per_token: Tensor,
-                        chunk_tokens: int = DEFAULT_LOGPROB_CHUNK_TOKENS) -> Tensor:
-    """`fn(logits_rows, *per_token_rows) -> (rows,)` over logits (..., V) in chunks of `chunk_tokens` rows.
-
-    Returns (...) like the leading shape of `logits`. With grad enabled each chunk is recomputed in
-    backward: forward keeps only the chunk's inputs (views of `logits`). `split`, not slicing: its
-    backward is one concatenation instead of a zero-filled full-size tensor per chunk. `fn` may run
-    collectives (TP): every rank of the group must hold the same number of tokens.
-    """
-    if chunk_tokens < 1:
-        raise ValueError(f"policy.logprob_chunk_tokens must be >= 1; got {chunk_tokens}")
-    shape = logits.shape[:-1]
-    rows = logits.reshape(-1, logits.shape[-1])
-    others = [t.reshape(-1) for t in per_token]
-    if rows.shape[0] <= chunk_tokens:
-        return fn(rows, *others).view(shape)
-    grad = torch.is_grad_enabled() and logits.requires_grad
-    outs = []
-    for chunk in zip(rows.split(chunk_tokens), *(t.split(chunk_tokens) for t in others)):
-        outs.append(_RecomputedChunk.apply(fn, *chunk) if grad else fn(*chunk))
-    return torch.cat(outs).view(shape)
-
-
-class _RecomputedChunk(torch.autograd.Function):
-    """fn(rows, *others) without saving its intermediates; backward runs it again for the gradient.
-    (torch.utils.checkpoint does the same but imports torch._dynamo on first use: seconds per process.)"""
-
-    @staticmethod
-    def forward(ctx, fn: Callable[..., Tensor], rows: Tensor, *others: Tensor) -> Tensor:  # noqa: ANN001
-        ctx.fn = fn
-        ctx.save_for_backward(rows, *others)
-        return fn(rows, *others)  # autograd is off inside forward: nothing of fn is kept
-
-    @staticmethod
-    def backward(ctx, grad_out: Tensor):  # noqa: ANN205
-        rows, *others = ctx.saved_tensors
-        with torch.enable_grad():
-            leaf = rows.detach().requires_grad_()
-            (grad,) = torch.autograd.grad(ctx.fn(leaf, *others), leaf, grad_out)
-        return None, grad, *([None] * len(others))
-
-
 def all_reduce_in_group(x: Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> Tensor:
     if group is not None:
         dist.all_reduce(x, op=op, group=group)
     return x
 
 
-def scaled_float_logits(local_logits: Tensor, temperature: float = 1.0, vocab_start: int = 0,
-                        vocab_size: int | None = None) -> Tensor:
-    """float32 logits / T (a new tensor) with the columns at or past `vocab_size` (padding) at -inf."""
-    x = local_logits.to(torch.float32, copy=True)
-    if temperature != 1.0:
-        x.div_(temperature)
-    end = vocab_start + x.shape[-1]
-    if vocab_size is not None and end > vocab_size:
-        x[..., max(vocab_size - vocab_start, 0):] = float("-inf")
-    return x
+def vocab_parallel_logprobs(local_logits: Tensor, targets: Tensor, *, group: dist.ProcessGroup | None = None,
+                            vocab_start: int = 0, vocab_size: int | None = None, temperature: float = 1.0,
+                            chunk_tokens: int = DEFAULT_LOGPROB_CHUNK_TOKENS,
+                            with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+    """log softmax(logits / T)[target] (with grad) and, if asked, the entropy (no grad), both (...) float32.
+
+    `local_logits` (..., V_local) are this rank's columns [vocab_start, vocab_start + V_local) of the
+    vocabulary (all of it with `group=None`); columns at or past `vocab_size` are padding (megatron pads
+    the vocabulary) and get probability 0. `targets` (...) are global token ids. Every rank of `group`
+    must hold the same tokens: the chunks' collectives pair up.
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"policy.logprob_chunk_tokens must be >= 1; got {chunk_tokens}")
+    width = local_logits.shape[-1]
+    real = width if vocab_size is None else min(max(vocab_size - vocab_start, 0), width)
+    rows, flat_targets = local_logits.reshape(-1, width), targets.reshape(-1)
+    # split's backward concatenates the chunks' gradients: a copy of the logits' size, not needed for one
+    chunks = zip(rows.split(chunk_tokens), flat_targets.split(chunk_tokens)) if len(rows) > chunk_tokens else [
+        (rows, flat_targets)]
+    logprobs, entropies = [], []
+    for chunk, chunk_targets in chunks:
+        lp, entropy = _ChunkLogProb.apply(chunk, chunk_targets, vocab_start, real, group, temperature, with_entropy)
+        logprobs.append(lp)
+        entropies.append(entropy)
+    shape = local_logits.shape[:-1]
+    return torch.cat(logprobs).view(shape), torch.cat(entropies).view(shape) if with_entropy else None
 
 
-@torch.no_grad()
-def vocab_parallel_entropy(local_logits: Tensor, *, group: dist.ProcessGroup | None = None,
-                           temperature: float = 1.0, vocab_start: int = 0, vocab_size: int | None = None,
-                           chunk_tokens: int = DEFAULT_LOGPROB_CHUNK_TOKENS) -> Tensor:
-    """Entropy of softmax(logits / T) over the (sharded) vocabulary, (..., V_local) -> (...) float32.
+class _ChunkLogProb(torch.autograd.Function):
+    """One chunk (N, V_local) -> target logprobs (N,) and entropy (N,) (empty unless asked for).
 
-    A metric: no grad. `vocab_start` is this rank's first column, `vocab_size` the real vocabulary
-    (columns past it are padding and get probability 0).
+    Built on torch's fused softmax kernels (one read of the chunk, one float32 write each), which see only
+    this rank's columns; under TP the local results are corrected by per-row scalars: with lse_r the
+    local log-normaliser and lse the global one, s = lse_r - lse, the global log-softmax is the local one
+    + s, the softmax the local one * e^s, and the entropy sum_r e^s_r (H_r - s_r), H_r the local entropy.
+    Saves the chunk's logits (a view, no copy), the target index and s; backward recomputes the softmax:
+    d lp / d logit_j = (1[j == target] - softmax_j) / T.
     """
 
-    def entropy(rows: Tensor) -> Tensor:
-        x = scaled_float_logits(rows, temperature, vocab_start, vocab_size)
-        x.sub_(all_reduce_in_group(x.max(-1).values, dist.ReduceOp.MAX, group).unsqueeze(-1))
-        exp = x.exp()  # exp(-inf) = 0 on padded columns
-        # H = log Z - E_p[x]; padded columns contribute p = 0 (not 0 * -inf)
-        sums = torch.stack([exp.sum(-1), (exp * x.nan_to_num_(neginf=0.0)).sum(-1)])
-        sums = all_reduce_in_group(sums, dist.ReduceOp.SUM, group)
-        return sums[0].log() - sums[1] / sums[0]
+    @staticmethod
+    def forward(ctx, rows: Tensor, targets: Tensor, vocab_start: int, real: int,  # noqa: ANN001
+                group: dist.ProcessGroup | None, temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor]:
+        local_target = targets - vocab_start
+        in_shard = (local_target >= 0) & (local_target < real)
+        index = local_target.clamp(0, max(real - 1, 0)).unsqueeze(-1)
+        shift = rows.new_zeros(rows.shape[0], dtype=torch.float32)  # s = lse_r - lse: 0 without TP
+        target = entropy = shift
+        if real:
+            x = _scaled(rows, real, temperature)
+            logp = torch.log_softmax(x, -1, dtype=torch.float32)  # this rank's columns only
+            if group is not None:
+                # lse_r = x_j - logp_j at the row's largest logit, where logp_j is near 0: no cancellation
+                row_max, argmax = x.max(-1, keepdim=True)
+                local_lse = row_max.squeeze(-1).float() - logp.gather(-1, argmax).squeeze(-1)
+                shift = _shift_to_global(local_lse, group)
+            target = (logp.gather(-1, index).squeeze(-1) + shift) * in_shard
+            if with_entropy:
+                local_entropy = torch.special.entr(logp.exp_()).sum(-1)  # -sum p log p of the local softmax
+                entropy = shift.exp() * (local_entropy - shift) if group is not None else local_entropy
+        elif group is not None:  # every column of this rank is padding: it contributes nothing
+            shift = rows.new_full((rows.shape[0],), float("-inf"), dtype=torch.float32)
+            _shift_to_global(shift, group)  # the collectives the other ranks run
+        if group is not None:
+            target, entropy = all_reduce_in_group(torch.stack([target, entropy]), dist.ReduceOp.SUM, group)
+        ctx.save_for_backward(rows, index, in_shard, shift)
+        ctx.real, ctx.temperature, ctx.tensor_parallel = real, temperature, group is not None
+        entropy = entropy.clone() if with_entropy else entropy.new_empty(0)
+        ctx.mark_non_differentiable(entropy)
+        return target, entropy
 
-    return chunked_over_tokens(entropy, local_logits, chunk_tokens=chunk_tokens)
+    @staticmethod
+    def backward(ctx, grad_logprob: Tensor, grad_entropy: Tensor):  # noqa: ANN205
+        rows, index, in_shard, shift = ctx.saved_tensors
+        real, temperature = ctx.real, ctx.temperature
+        grad = None
+        if real:
+            probs = torch.softmax(_scaled(rows, real, temperature), -1, dtype=torch.float32)
+            if ctx.tensor_parallel:
+                probs.mul_(shift.exp().unsqueeze(-1))  # the local softmax -> the global one
+            # softmax - onehot before scaling: p_t - 1 is exact in float32 where p_t is near 1
+            probs.scatter_add_(-1, index, -in_shard.unsqueeze(-1).to(probs.dtype))
+            probs.mul_((grad_logprob / -temperature).unsqueeze(-1))
+            if real == rows.shape[-1]:
+                grad = probs.to(rows.dtype)
+        if grad is None:  # padded columns: probability 0, gradient 0
+            grad = rows.new_zeros(rows.shape)
+            grad[:, :real] = probs if real else 0.0
+        return grad, None, None, None, None, None, None
 
+
+def _scaled(rows: Tensor, real: int, temperature: float) -> Tensor:
+    """The real columns of `rows` / T: the rows themselves at T = 1 (the softmax kernels upcast)."""
+    x = rows[:, :real]
+    return x if temperature == 1.0 else x.to(torch.float32, copy=True).div_(temperature)
+
+
+def _shift_to_global(local_lse: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """s = lse_r - log sum_r exp(lse_r) per row, over the ranks of `group`.
+
+    Computed as (lse_r - max_r lse_r) - log sum_r exp(lse_r - max): exact 0 minus a small log on the rank
+    with the largest normaliser, instead of the difference of two large log-normalisers."""
+    relative = local_lse - all_reduce_in_group(local_lse.clone(), dist.ReduceOp.MAX, group)
+    return relative - all_reduce_in_group(relative.exp(), dist.ReduceOp.SUM, group).log()

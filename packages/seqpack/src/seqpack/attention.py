@@ -54,6 +54,14 @@ def uses_varlen(query: Tensor, dropout: float = 0.0) -> bool:
             and varlen_kernel("cuda") != "none")
 
 
+@functools.cache
+def _varlen_attn_takes_gqa() -> bool:
+    """torch >= 2.12's varlen_attn takes K/V with fewer heads (asked once: this runs in every layer)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
 def varlen_causal_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, max_len: int, *,
                             scale: float | None, window: int | None, kernel: VarlenKernel) -> Tensor:
     """The varlen kernel's call: (T, H, D) q and (T, H_kv, D) k/v -> (T, H, D); `window` as in
@@ -68,7 +76,7 @@ def varlen_causal_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlen
 
     groups = query.shape[1] // key.shape[1]
     gqa: dict[str, Any] = {}
-    if groups > 1 and "enable_gqa" in inspect.signature(varlen_attn).parameters:  # torch >= 2.12
+    if groups > 1 and _varlen_attn_takes_gqa():
         gqa["enable_gqa"] = True
     elif groups > 1:
         key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
@@ -81,10 +89,11 @@ def packed_causal_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlen
                             dropout: float = 0.0) -> Tensor:
     """Causal attention within each [cu[i], cu[i+1]) of q (T, H, D), k / v (T, H_kv, D) -> (T, H, D).
 
-    `cu_seqlens` (S+1,) int32 ends at T; `max_len` its longest segment (computed, with a host sync, when
-    not given); `window`: HF's sliding window, a query sees itself and the window - 1 keys before it.
+    `cu_seqlens` (S+1,) int32 ends at T (checked when it is on the host); `max_len` its longest segment
+    (computed, with a host sync, when not given); `window`: HF's sliding window, a query sees itself and the window - 1 keys before it.
     """
-    if int(cu_seqlens[-1]) != query.shape[0]:
+    # Checked where it costs nothing: reading a GPU tensor here would stall the host once per layer.
+    if cu_seqlens.device.type == "cpu" and int(cu_seqlens[-1]) != query.shape[0]:
         raise ValueError(f"packed attention needs segments covering the row: q {tuple(query.shape)} (T, H, D), "
                          f"cu_seqlens ends at {int(cu_seqlens[-1])}")
     if uses_varlen(query, dropout):
