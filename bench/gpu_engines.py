@@ -8,7 +8,9 @@ Models (random init std 0.02, built locally and cached under ~/.cache/rl-stack/b
 (hidden 896, 24 layers, 14/2 heads, SwiGLU 4864, vocab 151936, tied embeddings) and 8 layers x hidden 2048
 (16/2 heads, SwiGLU 11008, vocab 151936). Batch: 128 sequences of lognormal lengths (median 512, max 2048),
 loss on the second half of each. Layouts: packed (sequence packing, --mb-tokens per micro-batch) and
-unpacked (dynamic batching, padded rows, the same token budget).
+unpacked (dynamic batching, padded rows, the same token budget). Engines: dtensor, megatron, and
+dtensor-compile (`policy.dtensor_cfg.compile`: torch.compile per decoder layer, fusing the RMSNorm, RoPE,
+SwiGLU and residual elementwise passes that HF's eager layers run one kernel each).
 
 Each (model, engine, layout) runs in a fresh process (spawned: CUDA) so peaks and first calls are its own.
 Reported per run: the process's first `train_batch` (one-time costs: allocator growth, kernel loading,
@@ -108,7 +110,9 @@ def _rank_fn(rank: int, world: int, model: str, engine_name: str, packed: bool, 
 
     rate = gemm_rate(device, torch.bfloat16, n=gemm_n)
     megatron = engine_name == "megatron"
-    policy = policy_config(model, packing=packed, mb_tokens=mb_tokens, megatron=megatron, precision="bfloat16")
+    extra = {"dtensor_cfg": {"compile": True}} if engine_name == "dtensor-compile" else {}
+    policy = policy_config(model, packing=packed, mb_tokens=mb_tokens, megatron=megatron, precision="bfloat16",
+                           **extra)
     engine = create_engine(policy)
     config = AutoConfig.from_pretrained(model)
     with torch.device("meta"):
@@ -151,7 +155,9 @@ def main() -> None:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--tiny", action="store_true", help="small models and batch (runs on a CPU)")
     parser.add_argument("--models", default="0.5b,8x2048")
-    parser.add_argument("--engines", default="dtensor,megatron")
+    parser.add_argument("--engines", default="dtensor,megatron",
+                        help="of dtensor, megatron, dtensor-compile (policy.dtensor_cfg.compile: each decoder layer "
+                             "through torch.compile)")
     parser.add_argument("--layouts", default="packed,unpacked")
     parser.add_argument("--seqs", type=int, default=128)
     parser.add_argument("--median", type=int, default=512)

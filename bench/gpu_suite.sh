@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Every GPU check of the project on one GPU, part by part, each under its own time limit with its own log
 # (a part that hangs is killed, the next one still runs). From the workspace root:
-#   bash bench/gpu_suite.sh LOG_DIR [PART ...]      PART: tests engines-0.5b engines-8x2048 generation grpo
+#   bash bench/gpu_suite.sh LOG_DIR [PART ...]      PART: tests engines-0.5b engines-8x2048 engines-compile
+#                                                   generation grpo
 # Default: every part (~30 min on an H100). Durations measured on one H100 (2026-11-23) in brackets:
 #   tests           pytest -m gpu over the workspace (20 tests; ~5 min: the two trainer tests start Ray)
 #   engines-0.5b    bench/gpu_engines.py, 0.5B shape, both engines x packed/unpacked, each
 #                   profiled once (top CUDA kernels, wall vs kernel time)            [~4.5 min unprofiled]
 #   engines-8x2048  the same on 8 layers x hidden 2048                                [not run yet]
+#   engines-compile the 0.5B shape, packed, DTensor with policy.dtensor_cfg.compile   [not run yet]
 #   generation      packages/rollout/bench/bench_generation.py --device cuda (0.5B, 1.5B) [0.5B < 3 min;
 #                   1.5B: its checkpoint build and HF's row took most of 140 s, ours not measured yet]
 #   grpo            bench/grpo_vs_trl.py --device cuda, both engines and TRL, one round [not run yet]
@@ -17,7 +19,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: bash bench/gpu_suite.sh LOG_DIR [PART ...]}; shift
 mkdir -p "$out"
-parts=("$@"); [ ${#parts[@]} -eq 0 ] && parts=(tests engines-0.5b engines-8x2048 generation grpo)
+parts=("$@"); [ ${#parts[@]} -eq 0 ] && parts=(tests engines-0.5b engines-8x2048 engines-compile generation grpo)
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 
@@ -37,9 +39,12 @@ for part in "${parts[@]}"; do
     tests) run tests 560 $py -m pytest -m gpu -v -p no:cacheprovider -rfE --timeout 300 packages apps tests ;;
     engines-0.5b) run engines-0.5b 560 $py bench/gpu_engines.py --models 0.5b --profile 15 ;;
     engines-8x2048) run engines-8x2048 560 $py bench/gpu_engines.py --models 8x2048 --profile 15 ;;
+    engines-compile) run engines-compile 560 $py bench/gpu_engines.py --models 0.5b --engines dtensor-compile \
+            --layouts packed --profile 15 ;;
     generation) run generation 560 $py packages/rollout/bench/bench_generation.py --device cuda ;;
     grpo) run grpo 560 $py bench/grpo_vs_trl.py --device cuda --engines dtensor,megatron --rounds 1 \
             ${TRL_PYTHON:+--trl-python "$TRL_PYTHON"} ;;
-    *) echo "unknown part '$part': choose from tests engines-0.5b engines-8x2048 generation grpo" >&2; exit 2 ;;
+    *) echo "unknown part '$part': choose from tests engines-0.5b engines-8x2048 engines-compile generation grpo" >&2
+       exit 2 ;;
   esac
 done

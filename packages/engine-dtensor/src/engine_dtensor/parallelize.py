@@ -158,9 +158,12 @@ def apply_ac(model: nn.Module, mesh: DeviceMesh | None, cfg: DTensorConfig) -> N
 
 
 def apply_compile(model: nn.Module, mesh: DeviceMesh | None, cfg: DTensorConfig) -> None:
-    """torch.compile each decoder layer in place (names unchanged). `mesh` is unused."""
+    """torch.compile each decoder layer in place (names unchanged). `mesh` is unused.
+
+    Dynamic shapes from the start: packed rows change length every micro-batch, and with automatic dynamic
+    shapes each new length (and max length) recompiled at first."""
     for layer in decoder_layers(model):
-        layer.compile()
+        layer.compile(dynamic=True)
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: DTensorConfig) -> None:
