@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -19,6 +20,9 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from seqpack.attention import packed_causal_attention
 
 SEGMENT_SDPA = "sdpa_segments"
+# Under policy.dtensor_cfg.compile the packed attention runs eagerly between two compiled graphs of the
+# layer: its kernel choice, host-side lengths and varlen kernel are the same compiled or not, on any device.
+_packed_attention = torch.compiler.disable(packed_causal_attention)
 
 
 def segment_sdpa_forward(
@@ -39,7 +43,7 @@ def segment_sdpa_forward(
         )
     if query.shape[0] != 1:
         raise ValueError(f"sdpa_segments needs one packed row: query {tuple(query.shape)} (1, H, T, D)")
-    out = packed_causal_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+    out = _packed_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
                                   cu, max_len=kwargs.get("max_length_q"), scale=scaling,
                                   window=kwargs.get("sliding_window"), dropout=dropout if module.training else 0.0)
     return out[None], None  # (1, T, H, D)
