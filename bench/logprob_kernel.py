@@ -8,14 +8,14 @@ upstream gradient go through:
     entropy `-(softmax * log_softmax).sum(-1)` (what trainers built on plain torch / HF compute);
   * rl_core.logprobs.vocab_parallel_logprobs(with_entropy=True): the kernel of engine-dtensor and
     engine-megatron (token chunks of `policy.logprob_chunk_tokens`, one pass for logprobs and entropy,
-    backward rebuilt from two floats per token).
+    backward recomputing each chunk's softmax into one gradient tensor).
 For each: forward + backward wall time (median of --repeats after a warm-up), the bytes its operators read
 and write on tokens x vocab tensors (counted per operator by a TorchDispatchMode: inputs + outputs of every
 op with a vocab-wide operand, views free, gather / scatter counted at the elements they touch; a
 proxy for the memory traffic that bounds these elementwise passes on a GPU; on CPU torch's softmax kernels
-first convert bf16 input to a float32 copy, 12 bytes per element that CUDA's kernels do not move), the
-largest float32 tokens x vocab tensor created, and on CUDA the peak memory above the inputs. Results agree
-to the printed max |difference|.
+first convert bf16 input to a float32 copy, 12 bytes per element that CUDA's kernels do not move), the most
+bytes the tokens x vocab tensors it created held at once (the gradient included), and on CUDA the peak
+memory above the inputs. Results agree to the printed max |difference|.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from rl_core.logprobs import DEFAULT_LOGPROB_CHUNK_TOKENS, vocab_parallel_logprobs
-from rl_core.testing.memory import LargestTensors
+from rl_core.testing.memory import PeakLiveTensors
 
 # index-driven ops touch one element per row of their vocab-wide operand, not the row
 SPARSE_OPS = ("aten.gather", "aten.scatter_add", "aten.scatter", "aten.index")
@@ -99,9 +99,9 @@ def measure(fn: Callable, logits: torch.Tensor, targets: torch.Tensor, grad: tor
         run()
         peak = (torch.cuda.max_memory_allocated() - base) / 2**30
     vocab = logits.shape[-1]
-    with VocabTraffic(vocab) as traffic, LargestTensors(last_dim=vocab) as largest:
+    with VocabTraffic(vocab) as traffic, PeakLiveTensors(last_dim=vocab) as live:
         run()
-    return {"time": statistics.median(times), "bytes": traffic.bytes, "fp32": largest.numel(torch.float32),
+    return {"time": statistics.median(times), "bytes": traffic.bytes, "live": live.peak_bytes,
             "peak": peak, "result": result}
 
 
@@ -128,12 +128,12 @@ def main() -> None:
     for name, r in results.items():
         diff = "/".join(f"{float((a.double() - b.double()).abs().max()):.0e}" for a, b in zip(r["result"], base["result"]))
         rows.append([name, f"{r['time'] * 1e3:.1f}", f"{base['time'] / r['time']:.2f}x", f"{r['bytes'] / 2**30:.2f}",
-                     f"{base['bytes'] / r['bytes']:.2f}x", f"{r['fp32'] * 4 / 2**30:.2f}", f"{r['peak']:.2f}",
+                     f"{base['bytes'] / r['bytes']:.2f}x", f"{r['live'] / 2**30:.2f}", f"{r['peak']:.2f}",
                      diff])
     print(f"\n{args.tokens} tokens x vocab {args.vocab}, {args.dtype} logits on {args.device}, T={args.temperature}, "
           "forward (logprobs + entropy) + backward\n")
     print(markdown_table(["implementation", "ms", "speed-up", "GiB moved on tokens x vocab", "less traffic",
-                          "largest fp32 tokens x vocab tensor GiB", "CUDA peak above inputs GiB",
+                          "peak GiB of tokens x vocab tensors it created", "CUDA peak above inputs GiB",
                           "max |diff| vs plain: logprobs/entropy/grad"], rows))
 
 

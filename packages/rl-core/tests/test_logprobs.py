@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rl_core.logprobs import vocab_parallel_logprobs
-from rl_core.testing.memory import LargestTensors
+from rl_core.testing.memory import LargestTensors, PeakLiveTensors
 
 QWEN_VOCAB = 151936
 
@@ -87,6 +87,22 @@ def test_no_fp32_intermediate_beyond_the_chunk_at_a_152k_vocabulary() -> None:
     assert unchunked.numel(torch.float32) == tokens * QWEN_VOCAB
     assert torch.equal(lp, whole)
     torch.testing.assert_close(chunked_grad, logits.grad, rtol=0, atol=0)
+
+
+def test_backward_holds_one_gradient_of_the_logits_plus_a_chunk() -> None:
+    """The gradient of bf16 logits (96 tokens x 151936) is written chunk by chunk into one tensor: at no time
+    do the tensors the kernel creates hold more than that gradient and two float32 chunks (on the CPU
+    torch's softmax makes a float32 copy of its bf16 input first). Per-chunk gradients joined by a
+    concatenation (the previous design) held 2x the logits."""
+    torch.manual_seed(3)
+    tokens, chunk = 96, 8
+    logits = torch.randn(tokens, QWEN_VOCAB, dtype=torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, QWEN_VOCAB, (tokens,))
+    with PeakLiveTensors(last_dim=QWEN_VOCAB) as live:
+        lp, _ = vocab_parallel_logprobs(logits, targets, chunk_tokens=chunk, with_entropy=True)
+        lp.sum().backward()
+    bound = logits.untyped_storage().nbytes() + 2 * chunk * QWEN_VOCAB * 4
+    assert logits.untyped_storage().nbytes() <= live.peak_bytes <= bound, (live.peak_bytes, bound)
 
 
 def test_chunk_tokens_must_be_positive() -> None:

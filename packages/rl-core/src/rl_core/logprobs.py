@@ -61,79 +61,83 @@ def vocab_parallel_logprobs(local_logits: Tensor, targets: Tensor, *, group: dis
         raise ValueError(f"policy.logprob_chunk_tokens must be >= 1; got {chunk_tokens}")
     width = local_logits.shape[-1]
     real = width if vocab_size is None else min(max(vocab_size - vocab_start, 0), width)
-    rows, flat_targets = local_logits.reshape(-1, width), targets.reshape(-1)
-    # split's backward concatenates the chunks' gradients: a copy of the logits' size, not needed for one
-    chunks = zip(rows.split(chunk_tokens), flat_targets.split(chunk_tokens)) if len(rows) > chunk_tokens else [
-        (rows, flat_targets)]
-    logprobs, entropies = [], []
-    for chunk, chunk_targets in chunks:
-        lp, entropy = _ChunkLogProb.apply(chunk, chunk_targets, vocab_start, real, group, temperature, with_entropy)
-        logprobs.append(lp)
-        entropies.append(entropy)
     shape = local_logits.shape[:-1]
-    return torch.cat(logprobs).view(shape), torch.cat(entropies).view(shape) if with_entropy else None
+    logprobs, entropy = _VocabLogProb.apply(local_logits.reshape(-1, width), targets.reshape(-1), vocab_start, real,
+                                            group, temperature, with_entropy, chunk_tokens)
+    return logprobs.view(shape), entropy.view(shape) if with_entropy else None
 
 
-class _ChunkLogProb(torch.autograd.Function):
-    """One chunk (N, V_local) -> target logprobs (N,) and entropy (N,) (empty unless asked for).
+class _VocabLogProb(torch.autograd.Function):
+    """rows (N, V_local) -> target logprobs (N,) and entropy (N,) (empty unless asked for), `chunk` rows at a
+    time.
 
     Built on torch's fused softmax kernels (one read of the chunk, one float32 write each), which see only
     this rank's columns; under TP the local results are corrected by per-row scalars: with lse_r the
     local log-normaliser and lse the global one, s = lse_r - lse, the global log-softmax is the local one
     + s, the softmax the local one * e^s, and the entropy sum_r e^s_r (H_r - s_r), H_r the local entropy.
-    Saves the chunk's logits (a view, no copy), the target index and s; backward recomputes the softmax:
-    d lp / d logit_j = (1[j == target] - softmax_j) / T.
+    Saves the logits (no copy), the target index and s; backward recomputes each chunk's softmax,
+    d lp / d logit_j = (1[j == target] - softmax_j) / T, straight into one gradient tensor of the logits'
+    dtype (per-chunk gradients joined by a concatenation would hold the logits' size twice).
     """
 
     @staticmethod
     def forward(ctx, rows: Tensor, targets: Tensor, vocab_start: int, real: int,  # noqa: ANN001
-                group: dist.ProcessGroup | None, temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor]:
+                group: dist.ProcessGroup | None, temperature: float, with_entropy: bool,
+                chunk: int) -> tuple[Tensor, Tensor]:
         local_target = targets - vocab_start
         in_shard = (local_target >= 0) & (local_target < real)
         index = local_target.clamp(0, max(real - 1, 0)).unsqueeze(-1)
-        shift = rows.new_zeros(rows.shape[0], dtype=torch.float32)  # s = lse_r - lse: 0 without TP
-        target = entropy = shift
-        if real:
-            x = _scaled(rows, real, temperature)
-            logp = torch.log_softmax(x, -1, dtype=torch.float32)  # this rank's columns only
-            if group is not None:
-                # lse_r = x_j - logp_j at the row's largest logit, where logp_j is near 0: no cancellation
-                row_max, argmax = x.max(-1, keepdim=True)
-                local_lse = row_max.squeeze(-1).float() - logp.gather(-1, argmax).squeeze(-1)
-                shift = _shift_to_global(local_lse, group)
-            target = (logp.gather(-1, index).squeeze(-1) + shift) * in_shard
-            if with_entropy:
-                local_entropy = torch.special.entr(logp.exp_()).sum(-1)  # -sum p log p of the local softmax
-                entropy = shift.exp() * (local_entropy - shift) if group is not None else local_entropy
-        elif group is not None:  # every column of this rank is padding: it contributes nothing
-            shift = rows.new_full((rows.shape[0],), float("-inf"), dtype=torch.float32)
-            _shift_to_global(shift, group)  # the collectives the other ranks run
-        if group is not None:
-            target, entropy = all_reduce_in_group(torch.stack([target, entropy]), dist.ReduceOp.SUM, group)
+        parts = [_chunk_forward(rows[i:i + chunk], index[i:i + chunk], in_shard[i:i + chunk], real, group,
+                                temperature, with_entropy) for i in range(0, rows.shape[0], chunk)]
+        target, entropy, shift = (torch.cat(column) for column in zip(*parts))
         ctx.save_for_backward(rows, index, in_shard, shift)
-        ctx.real, ctx.temperature, ctx.tensor_parallel = real, temperature, group is not None
-        entropy = entropy.clone() if with_entropy else entropy.new_empty(0)
+        ctx.real, ctx.temperature, ctx.chunk, ctx.tensor_parallel = real, temperature, chunk, group is not None
+        entropy = entropy if with_entropy else entropy.new_empty(0)
         ctx.mark_non_differentiable(entropy)
         return target, entropy
 
     @staticmethod
     def backward(ctx, grad_logprob: Tensor, grad_entropy: Tensor):  # noqa: ANN205
         rows, index, in_shard, shift = ctx.saved_tensors
-        real, temperature = ctx.real, ctx.temperature
-        grad = None
-        if real:
-            probs = torch.softmax(_scaled(rows, real, temperature), -1, dtype=torch.float32)
+        real, temperature, chunk = ctx.real, ctx.temperature, ctx.chunk
+        # padded columns: probability 0, gradient 0
+        grad = torch.empty_like(rows) if real == rows.shape[-1] else torch.zeros_like(rows)
+        for i in range(0, rows.shape[0] if real else 0, chunk):
+            rows_i = slice(i, i + chunk)
+            probs = torch.softmax(_scaled(rows[rows_i], real, temperature), -1, dtype=torch.float32)
             if ctx.tensor_parallel:
-                probs.mul_(shift.exp().unsqueeze(-1))  # the local softmax -> the global one
+                probs.mul_(shift[rows_i].exp().unsqueeze(-1))  # the local softmax -> the global one
             # softmax - onehot before scaling: p_t - 1 is exact in float32 where p_t is near 1
-            probs.scatter_add_(-1, index, -in_shard.unsqueeze(-1).to(probs.dtype))
-            probs.mul_((grad_logprob / -temperature).unsqueeze(-1))
-            if real == rows.shape[-1]:
-                grad = probs.to(rows.dtype)
-        if grad is None:  # padded columns: probability 0, gradient 0
-            grad = rows.new_zeros(rows.shape)
-            grad[:, :real] = probs if real else 0.0
-        return grad, None, None, None, None, None, None
+            probs.scatter_add_(-1, index[rows_i], -in_shard[rows_i].unsqueeze(-1).to(probs.dtype))
+            probs.mul_((grad_logprob[rows_i] / -temperature).unsqueeze(-1))
+            grad[rows_i, :real].copy_(probs)  # to the logits' dtype in the same pass
+            del probs  # before the next chunk's softmax exists
+        return grad, None, None, None, None, None, None, None
+
+
+def _chunk_forward(rows: Tensor, index: Tensor, in_shard: Tensor, real: int, group: dist.ProcessGroup | None,
+                   temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(target logprobs, entropies (zeros unless asked for), shifts s) of one chunk, each (n,) float32."""
+    shift = torch.zeros(rows.shape[0], dtype=torch.float32, device=rows.device)  # s = lse_r - lse: 0 without TP
+    target = entropy = shift
+    if real:
+        x = _scaled(rows, real, temperature)
+        logp = torch.log_softmax(x, -1, dtype=torch.float32)  # this rank's columns only
+        if group is not None:
+            # lse_r = x_j - logp_j at the row's largest logit, where logp_j is near 0: no cancellation
+            row_max, argmax = x.max(-1, keepdim=True)
+            local_lse = row_max.squeeze(-1).float() - logp.gather(-1, argmax).squeeze(-1)
+            shift = _shift_to_global(local_lse, group)
+        target = (logp.gather(-1, index).squeeze(-1) + shift) * in_shard
+        if with_entropy:
+            local_entropy = torch.special.entr(logp.exp_()).sum(-1)  # -sum p log p of the local softmax
+            entropy = shift.exp() * (local_entropy - shift) if group is not None else local_entropy
+    elif group is not None:  # every column of this rank is padding: it contributes nothing
+        shift = torch.full_like(shift, float("-inf"))
+        _shift_to_global(shift, group)  # the collectives the other ranks run
+    if group is not None:
+        target, entropy = all_reduce_in_group(torch.stack([target, entropy]), dist.ReduceOp.SUM, group)
+    return target, entropy, shift
 
 
 def _scaled(rows: Tensor, real: int, temperature: float) -> Tensor:

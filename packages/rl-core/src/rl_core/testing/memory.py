@@ -1,4 +1,5 @@
-"""`LargestTensors`: a TorchDispatchMode that records the largest tensor each op creates, by dtype.
+"""`LargestTensors`: a TorchDispatchMode that records the largest tensor each op creates, by dtype;
+`PeakLiveTensors`: the most bytes such tensors hold at once.
 
 Used to check memory bounds on CPU (e.g. no float32 tokens x vocab intermediate beyond the logprob
 chunk): every op's outputs pass through `__torch_dispatch__`, forward and backward alike (autograd
@@ -7,6 +8,7 @@ runs the backward ops under the same mode when `.backward()` is called inside it
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -43,3 +45,31 @@ def _is_view(func: Any) -> bool:
     schema = getattr(func, "_schema", None)
     return bool(schema and schema.returns and schema.returns[0].alias_info is not None
                 and not schema.returns[0].alias_info.is_write)
+
+
+class PeakLiveTensors(TorchDispatchMode):
+    """Inside `with PeakLiveTensors(last_dim=V) as live:`, `live.peak_bytes` is the most bytes that tensors
+    shaped (..., V) created by ops inside the block held at once (freed ones leave the count when Python
+    drops them). Tensors from outside the block (e.g. the logits themselves) are not counted; views and
+    in-place results allocate nothing."""
+
+    def __init__(self, last_dim: int) -> None:
+        super().__init__()
+        self.last_dim = last_dim
+        self.live_bytes = self.peak_bytes = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        schema = getattr(func, "_schema", None)
+        if schema and schema.returns and schema.returns[0].alias_info is not None:
+            return out  # a view or the input written in place
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor) and tensor.dim() > 0 and tensor.shape[-1] == self.last_dim:
+                size = tensor.untyped_storage().nbytes()
+                self.live_bytes += size
+                self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+                weakref.finalize(tensor, self._free, size)
+        return out
+
+    def _free(self, size: int) -> None:
+        self.live_bytes -= size
