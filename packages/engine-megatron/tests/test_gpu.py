@@ -5,8 +5,9 @@ Ranks are spawned with NCCL (`run_distributed(..., backend=CUDA_BACKEND)`): neve
   `PackedDotProductAttention` (seqpack's varlen kernel in bf16: compared with fp32, first-call vs warm
   time on new lengths printed);
 - context parallelism (needs TE's attention), with seqpack's load-balanced layout;
-- offload / onload of DDP buffers and optimizer state (a no-op on CPU).
-Each compares with the single-GPU padded run, like the CPU layout tests.
+- offload / onload of DDP buffers and optimizer state (a no-op on CPU);
+- no host synchronisation per layer in a packed bf16 training pass.
+The layout tests compare with the single-GPU padded run, like the CPU layout tests.
 """
 
 from __future__ import annotations
@@ -136,3 +137,46 @@ def test_packed_bf16_without_te_tracks_fp32_on_gpu(tiny_ckpt) -> None:
     # bf16 over sequences up to 2048 tokens (this worker in bf16 on CPU, per-sequence sdpa: 0.058 and 0.015);
     # a wrong segment boundary moved fp32 logprobs by 2.0 (test_packed_attention, mutated on purpose)
     assert logprobs <= 0.15 and (num / den) ** 0.5 <= 5e-2, (logprobs, (num / den) ** 0.5)
+
+
+def _host_syncs(rank: int, world_size: int, ckpt: str) -> int:
+    """Synchronizing CUDA calls (torch's sync debug mode) in one warm packed bf16 forward_backward."""
+    import warnings
+
+    from megatron_testutil import LOSS, global_batch
+
+    from engine_megatron.engine import MegatronEngine
+    from rl_core.losses import ClippedPGLoss
+
+    engine = MegatronEngine(make_policy(ckpt, precision="bfloat16", **PACKING))
+    batch = global_batch(0)
+    batch = batch.with_fields(prev_logprobs=[torch.zeros(n) for n in batch.lengths])
+    engine.forward_backward(batch, ClippedPGLoss(LOSS))  # kernels loaded, fusions compiled, allocator grown
+    engine.zero_grad()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            engine.forward_backward(batch, ClippedPGLoss(LOSS))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchronizing" in str(w.message) for w in caught)
+
+
+@pytest.mark.gpu
+def test_packed_training_pass_syncs_the_host_independently_of_depth(tmp_path) -> None:
+    """As engine-dtensor's: a host read of a device tensor inside a layer stalls the launch queue once per
+    layer and micro-batch; the synchronizing calls of a training pass must not grow with the layers."""
+    from megatron_testutil import VOCAB
+
+    from rl_core.testing.tiny_models import save_tiny_checkpoint
+
+    counts = {}
+    for layers in (1, 3):
+        ckpt = str(save_tiny_checkpoint(tmp_path / f"qwen2-{layers}", "qwen2", seed=1, vocab_size=VOCAB,
+                                        num_hidden_layers=layers))
+        counts[layers] = run_distributed(_host_syncs, world_size=1, args=(ckpt,), backend=CUDA_BACKEND)[0]
+    print(f"synchronizing CUDA calls in one packed forward_backward by layers: {counts}")
+    assert counts[1] >= 1, counts  # the instrument works: the pass reads its loss once at the end
+    assert counts[1] == counts[3], counts
