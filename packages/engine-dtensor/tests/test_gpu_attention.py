@@ -72,11 +72,10 @@ def test_varlen_attention_matches_per_sequence_sdpa_on_gpu(window: int | None) -
 
 def _host_syncs(rank: int, world: int, layers: int) -> int:
     """Synchronizing CUDA calls (torch's sync debug mode) in one warm packed bf16 forward_backward."""
-    import warnings
-
     from engine_dtensor.engine import DTensorEngine
     from engine_dtensor.testing import grpo_batch, make_policy
     from rl_core.losses import ClippedPGLoss
+    from rl_core.testing.cuda_syncs import count_cuda_syncs
     from rl_core.testing.tiny_models import cached_tiny_checkpoint
 
     path = str(cached_tiny_checkpoint("qwen2", seed=0, num_hidden_layers=layers))
@@ -85,15 +84,7 @@ def _host_syncs(rank: int, world: int, layers: int) -> int:
     batch = grpo_batch(path, lengths=[5, 9, 7, 12, 16, 3, 11, 8])
     engine.forward_backward(batch, ClippedPGLoss())  # kernels loaded, allocator grown
     engine.zero_grad()
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            engine.forward_backward(batch, ClippedPGLoss())
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchronizing" in str(w.message) for w in caught)
+    return count_cuda_syncs(lambda: engine.forward_backward(batch, ClippedPGLoss()))
 
 
 @pytest.mark.gpu

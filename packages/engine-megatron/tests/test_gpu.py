@@ -141,27 +141,18 @@ def test_packed_bf16_without_te_tracks_fp32_on_gpu(tiny_ckpt) -> None:
 
 def _host_syncs(rank: int, world_size: int, ckpt: str) -> int:
     """Synchronizing CUDA calls (torch's sync debug mode) in one warm packed bf16 forward_backward."""
-    import warnings
-
     from megatron_testutil import LOSS, global_batch
 
     from engine_megatron.engine import MegatronEngine
     from rl_core.losses import ClippedPGLoss
+    from rl_core.testing.cuda_syncs import count_cuda_syncs
 
     engine = MegatronEngine(make_policy(ckpt, precision="bfloat16", **PACKING))
     batch = global_batch(0)
     batch = batch.with_fields(prev_logprobs=[torch.zeros(n) for n in batch.lengths])
     engine.forward_backward(batch, ClippedPGLoss(LOSS))  # kernels loaded, fusions compiled, allocator grown
     engine.zero_grad()
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            engine.forward_backward(batch, ClippedPGLoss(LOSS))
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchronizing" in str(w.message) for w in caught)
+    return count_cuda_syncs(lambda: engine.forward_backward(batch, ClippedPGLoss(LOSS)))
 
 
 @pytest.mark.gpu
