@@ -51,3 +51,29 @@ def test_packed_inputs_give_segments_not_a_mask() -> None:
     assert inputs.attention_mask is None
     assert inputs.attention_kwargs["cu_seq_lens_q"].tolist() == [0, 5, 8, 14, 16]
     assert inputs.input_ids.shape == (1, 16)
+
+
+@pytest.mark.parametrize("sliding", [False, True])
+def test_packed_forward_builds_no_token_by_token_mask(sliding: bool) -> None:
+    """HF would build a (1, 1, T, T) mask from the position ids of a packed row (and read a device tensor
+    to detect the packing): nothing uses it, so no tensor of T x T elements may appear, forward or backward."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from engine_dtensor.attention import SEGMENT_SDPA
+    from engine_dtensor.forward import forward_logprobs
+    from rl_core.testing.memory import LargestTensors
+
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, use_sliding_window=sliding,
+                         sliding_window=16, max_window_layers=1)
+    config._attn_implementation = SEGMENT_SDPA
+    model = Qwen2ForCausalLM(config)
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 64, (n,), generator=gen) for n in (90, 60, 120, 26)]
+    inputs = build_packed_inputs(seqs, attn_impl=SEGMENT_SDPA, seq_multiple=1, device=torch.device("cpu"))
+    total = inputs.input_ids.shape[1]
+    with LargestTensors() as seen:
+        logprobs, _ = forward_logprobs(model, inputs, temperature=1.0, with_entropy=False)
+        logprobs.sum().backward()
+    largest = max(numel for numel, _, _ in seen.largest.values())
+    assert largest < total * total // 4, seen.largest

@@ -5,6 +5,11 @@ that HF models pass through to the attention function), the packed row goes to s
 attention (a varlen kernel on CUDA in half precision, one causal sdpa per sequence elsewhere, banded
 where a sequence is longer than the model's sliding window); without it (padded rows with a 4-D mask),
 it is HF's sdpa unchanged.
+
+No mask function is registered for it, on purpose: HF then builds no mask itself. Packed rows need none
+(the boundaries travel as `cu_seq_lens_q`), and padded rows arrive with their 4-D mask built by
+forward.py. With one registered, HF detected the packing from the position ids in every forward: a read
+of a device tensor (a host sync on CUDA) and a (1, 1, T, T) mask nothing used (67 MB at 8192 tokens).
 """
 
 from __future__ import annotations
@@ -15,7 +20,6 @@ import torch
 from torch import Tensor, nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from seqpack.attention import packed_causal_attention
 
@@ -50,4 +54,3 @@ def segment_sdpa_forward(
 
 
 AttentionInterface.register(SEGMENT_SDPA, segment_sdpa_forward)
-ALL_MASK_ATTENTION_FUNCTIONS.register(SEGMENT_SDPA, sdpa_mask)
