@@ -104,9 +104,12 @@ def use_one_call_thd_rope() -> None:
 def one_call_thd_rope(megatron_thd_rope: Any, t: Tensor, cu_seqlens: Tensor, freqs: Tensor, *,
                       cp_group: Any = None, **bshd_kwargs: Any) -> Tensor:
     """megatron's THD rope of t (T, heads, d) in one bshd call: token i of a sequence starting at s gets
-    freqs[i - s]. Context parallelism and freqs given per row position stay with megatron's version."""
+    freqs[i - s]. Context parallelism and freqs given per row position (megatron-core 0.19 reads freqs of
+    the row's length that way) stay with megatron's version, which reads the lengths on the host (a sync
+    on CUDA in every layer); with one segment both readings are the same, so it stays here."""
     total = t.shape[0]
-    if cp_group is None or cp_group.size() != 1 or freqs.shape[0] == total:
+    per_row_freqs = freqs.shape[0] == total and cu_seqlens.numel() > 2
+    if cp_group is None or cp_group.size() != 1 or per_row_freqs:
         return megatron_thd_rope(t, cu_seqlens, freqs, cp_group=cp_group, **bshd_kwargs)
     starts = torch.repeat_interleave(cu_seqlens[:-1], torch.diff(cu_seqlens), output_size=total)  # (T,)
     positions = torch.arange(total, device=t.device) - starts
