@@ -23,6 +23,17 @@ from grpo_app.refit import RefitGroup, refit_in_process, tcp_store
 logger = logging.getLogger(__name__)
 
 
+def join_policy_group(rank: int, world_size: int, master: tuple[str, int]) -> None:
+    """The policy ranks' default process group, with the backend the engines expect (rl_core.distributed)."""
+    import torch.distributed as dist
+
+    from rl_core.distributed import process_group_backend
+
+    store = tcp_store(master[0], master[1], world_size, rank == 0, datetime.timedelta(minutes=10))
+    dist.init_process_group(process_group_backend(torch.cuda.is_available()), store=store, rank=rank,
+                            world_size=world_size)
+
+
 def _setup_process(num_threads: int) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     torch.set_num_threads(max(1, num_threads))
@@ -61,17 +72,13 @@ class PolicyWorker(GeneratorHost):
 
     def __init__(self, policy: Any, rank: int, world_size: int, master: tuple[str, int], *,
                  with_reference: bool, num_threads: int = 1) -> None:
-        import torch.distributed as dist
-
         from rl_core.interfaces import ReferencePolicy
         from rl_core.registry import create_engine
 
         _setup_process(num_threads)
         os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK="0")
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        store = tcp_store(master[0], master[1], world_size, rank == 0, datetime.timedelta(minutes=10))
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+        join_policy_group(rank, world_size, master)
         self.rank = rank
         self.engine = create_engine(policy)
         # Taken before any checkpoint is loaded: on resume the reference is still the initial model.

@@ -80,3 +80,22 @@ def test_a_cluster_that_can_grow_is_waited_for_with_a_warning(monkeypatch, caplo
     with caplog.at_level(logging.WARNING, logger="grpo_app.cluster"):
         cluster.wait_for_placement(fake, 8, can_grow=True, every_s=0.01)
     assert caplog.text.count("one-GPU bundles: the Ray cluster has 0 GPU(s)") == 2
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_policy_ranks_join_a_group_that_reduces_host_tensors(monkeypatch, cuda: bool) -> None:
+    """On GPUs the policy ranks' default group was NCCL alone, and megatron's DP group inherits it: the
+    engine's all-reduce of its host-side token counts raised "No backend type associated with device type
+    cpu" with more than one DP rank. The group carries gloo for CPU tensors beside NCCL."""
+    import torch
+    import torch.distributed as dist
+
+    from grpo_app.workers import join_policy_group
+    from rl_core.distributed import free_port
+
+    joined = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: joined.update(backend=backend, **kw))
+    join_policy_group(0, 1, ("127.0.0.1", free_port()))
+    assert joined["backend"] == ("cpu:gloo,cuda:nccl" if cuda else "gloo")
+    assert (joined["rank"], joined["world_size"]) == (0, 1)

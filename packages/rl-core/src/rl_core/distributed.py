@@ -28,13 +28,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def process_group_backend(use_cuda: bool) -> str:
+    """gloo for CPU tensors beside NCCL for CUDA ones: engines reduce small host-side counts (token and
+    sequence totals) on the default group and on the model-parallel groups megatron derives from it, and
+    NCCL alone raises "No backend type associated with device type cpu"."""
+    return "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
+
+
 def init_process_group(use_cuda: bool) -> torch.device:
     """Join (or start) the default process group as described in the module docstring; pick the device.
 
     On CUDA each rank uses GPU LOCAL_RANK (torchrun sets it), else rank modulo the visible GPUs.
     """
     if not dist.is_initialized():
-        backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
+        backend = process_group_backend(use_cuda)
         present = [key for key in LAUNCHER_ENV if key in os.environ]
         if len(present) == len(LAUNCHER_ENV):
             dist.init_process_group(backend, init_method="env://")
