@@ -42,7 +42,7 @@ def _materialize_adam_state(optimizer: Any) -> None:
     """Create torch Adam's lazily-built state (step 0, zero moments: what its first step() creates).
 
     Without Apex/TE, DistributedOptimizer.state_dict() asserts on the 'step' of that state, so saving
-    before the first step fails (engine_megatron.megatron_cpu covers only the loading side of this).
+    before the first step fails (engine_megatron.fallback_fixes covers only the loading side of this).
     """
     for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = sub.optimizer

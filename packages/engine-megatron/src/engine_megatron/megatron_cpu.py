@@ -7,7 +7,8 @@ on the literal device 'cuda' (optimizer build/step, the forward/backward schedul
 only around those, it costs a Python call per torch function.
 
 This module owns no model code; it only adapts megatron to the CPU. It must be called before megatron
-modules are built (the norm and RNG patches act at construction and forward time).
+modules are built (the RNG patches act at construction and forward time). The fixes of megatron's
+no-TE/apex fallbacks, which GPUs without TE need too, live in `engine_megatron.fallback_fixes`.
 """
 
 from __future__ import annotations
@@ -20,22 +21,24 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from engine_megatron.fallback_fixes import apply_fallback_fixes
+
 logger = logging.getLogger(__name__)
 
 _APPLIED: list[str] | None = None
 
 
 def ensure_cpu_compat() -> list[str]:
-    """Apply the CPU patches once (idempotent); return their names. No-op (empty list) with CUDA."""
+    """Apply the CPU patches once (idempotent), after the fixes every device needs without TE and apex
+    (`engine_megatron.fallback_fixes`); return their names. No-op (empty list) with CUDA."""
     global _APPLIED
     if _APPLIED is not None:
         return list(_APPLIED)
     if torch.cuda.is_available():
         _APPLIED = []
         return []
-    applied = []
-    for patch in (_patch_current_device, _patch_rng_tracker, _patch_causal_masks, _patch_torch_norm,
-                  _patch_synchronize, _patch_moe, _patch_optimizer_state):
+    applied = list(apply_fallback_fixes())
+    for patch in (_patch_current_device, _patch_rng_tracker, _patch_causal_masks, _patch_synchronize, _patch_moe):
         applied.extend(patch())
     _APPLIED = applied
     logger.info("megatron-core CPU patches applied: %s", ", ".join(applied))
@@ -141,26 +144,6 @@ def _patch_causal_masks() -> list[str]:
     return ["causal-mask->cpu"]
 
 
-def _patch_torch_norm() -> list[str]:
-    # Without TE/Apex the local spec uses WrappedTorchNorm, which asserts "sequence parallel not supported
-    # by torch LayerNorm". A plain torch norm is correct under sequence parallelism as long as its params
-    # carry `.sequence_parallel = True`, so finalize_model_grads all-reduces their grads over TP.
-    from megatron.core.transformer import torch_norm
-
-    def new(cls: Any, config: Any, hidden_size: int, eps: float = 1e-5, **_unused: Any) -> torch.nn.Module:
-        kinds = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
-        if config.normalization not in kinds:
-            raise ValueError(f"normalization={config.normalization!r} has no CPU torch norm; "
-                             f"use one of {sorted(kinds)}")
-        norm = kinds[config.normalization](hidden_size, eps=eps)
-        for param in norm.parameters():
-            param.sequence_parallel = bool(config.sequence_parallel)
-        return norm
-
-    torch_norm.WrappedTorchNorm.__new__ = new
-    return ["torch-norm-sequence-parallel"]
-
-
 def _patch_synchronize() -> list[str]:
     # torch.cuda.synchronize() is called unconditionally by p2p communication (variable_seq_lengths,
     # batch_p2p_sync) and by dist_checkpointing's torch_dist save; it is not a torch function, so the
@@ -186,12 +169,8 @@ class _CpuStream:
 
 
 def _patch_moe() -> list[str]:
-    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+    from megatron.core.transformer.moe import token_dispatcher
 
-    # megatron-core 0.16.1 bug without transformer-engine: the router tests `te_general_gemm is not None`
-    # but the name is only bound when TE imports -> NameError in every MoE router forward.
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
     # The alltoall dispatcher creates a side CUDA stream in __init__ (skipped when the class attribute is
     # set) and syncs through current_stream()/stream()/events; all tensors are host tensors here.
     default_stream = _CpuStream()
@@ -207,54 +186,4 @@ def _patch_moe() -> list[str]:
         return tensor
 
     token_dispatcher.maybe_move_tensor_to_cpu = to_host
-    return ["moe-te_general_gemm", "cuda-streams->noop", "moe-split-sizes->numpy"]
-
-
-def _patch_optimizer_state() -> list[str]:
-    """DistributedOptimizer with torch.optim.Adam (no Apex/TE) checkpoint bugs, hit on CPU."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer as DistOpt
-
-    # (a) Loading a 'fully_reshardable' state copies every Adam state key including 'step', which the
-    # loader skipped on purpose (step comes from param_groups) -> KeyError 'step'. Hide 'step' meanwhile.
-    orig_set = DistOpt._set_main_param_and_optimizer_states
-
-    def set_states(self: Any, model_param: Any, tensors: dict) -> Any:
-        group_index, order = self.model_param_group_index_map[model_param]
-        state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][order]]
-        step = state.pop("step", None)
-        try:
-            return orig_set(self, model_param, {k: v for k, v in tensors.items() if k != "step"})
-        finally:
-            if step is not None:
-                state["step"] = step
-
-    # (b) sharded_state_dict(is_loading=True) on a fresh optimizer reads the lazily created Adam 'step'
-    # -> AssertionError `len(steps) == 1`. Pre-create the state; the load overwrites it.
-    orig_ssd = DistOpt.sharded_state_dict
-
-    def sharded_state_dict(self: Any, model_sharded_state_dict: Any = None, is_loading: bool = False,
-                           *args: Any, **kwargs: Any) -> Any:
-        if is_loading and isinstance(self.optimizer, torch.optim.Adam | torch.optim.AdamW):
-            for group in self.optimizer.param_groups:
-                for param in group["params"]:
-                    state = self.optimizer.state[param]
-                    if not state:
-                        state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(param),
-                                     exp_avg_sq=torch.zeros_like(param))
-        return orig_ssd(self, model_sharded_state_dict or {}, is_loading, *args, **kwargs)
-
-    # (c) Silent: load_state_dict gives every param the SAME 'step' tensor, so each step() increments it
-    # once per param and Adam's bias correction goes wrong. Give each param its own copy.
-    orig_load = DistOpt.load_state_dict
-
-    def load_state_dict(self: Any, state_dict: Any) -> Any:
-        out = orig_load(self, state_dict)
-        for state in self.optimizer.state.values():
-            if torch.is_tensor(state.get("step")):
-                state["step"] = state["step"].clone()
-        return out
-
-    DistOpt._set_main_param_and_optimizer_states = set_states
-    DistOpt.sharded_state_dict = sharded_state_dict
-    DistOpt.load_state_dict = load_state_dict
-    return ["distopt-step-keyerror", "distopt-lazy-adam-state", "distopt-shared-step"]
+    return ["cuda-streams->noop", "moe-split-sizes->numpy"]

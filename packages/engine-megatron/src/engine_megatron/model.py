@@ -66,9 +66,11 @@ def build_gpt_model(cfg: MCoreModelConfig, *, pre_process: bool | None = None, p
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
+    from engine_megatron.fallback_fixes import apply_fallback_fixes
     from engine_megatron.megatron_cpu import ensure_cpu_compat
 
-    ensure_cpu_compat()
+    apply_fallback_fixes()  # megatron's own fallbacks without TE/apex, on any device
+    ensure_cpu_compat()  # no-op with CUDA
     if pre_process is None:
         pre_process = ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     if post_process is None:
