@@ -17,7 +17,7 @@ from rl_core.testing.tiny_models import cached_tiny_checkpoint
 
 VOCAB = 128
 LENGTHS = [5, 9, 7, 12, 3, 10, 8, 6, 11, 4, 32]  # 32: a row of one sequence
-CPU_ONLY_READS = [("seqpack/attention.py", "packed_causal_attention")]
+CPU_ONLY_READS = [("seqpack/attention.py", "packed_causal_attention"), ("seqpack/attention.py", "_host_lengths")]
 
 
 def _reads(rank: int, world_size: int, engine_name: str, ckpt: str) -> dict:

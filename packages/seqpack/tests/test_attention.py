@@ -81,3 +81,32 @@ def test_segments_must_cover_the_row() -> None:
     q = torch.zeros(10, 2, 4)
     with pytest.raises(ValueError, match=r"cu_seqlens ends at 8"):
         packed_causal_attention(q, q, q, torch.tensor([0, 3, 8]))
+
+
+def test_per_sequence_path_reads_the_lengths_once_per_cu_seqlens() -> None:
+    """Every layer of a micro-batch passes the same `cu_seqlens`; on CUDA in fp32 (this path) each read of it
+    waits for the GPU, so it is read once, and again only for another tensor or after an in-place change."""
+    from torch.overrides import TorchFunctionMode
+
+    class CountToList(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.count += func is torch.Tensor.tolist
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(12, 2, 4, generator=gen, dtype=torch.float64) for _ in range(3))
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    with CountToList() as reads:
+        for _ in range(3):  # three layers
+            out = packed_causal_attention(q, k, v, cu)
+    assert reads.count == 1
+    torch.testing.assert_close(out, _reference(q, k, v, [0, 5, 12], None), rtol=1e-12, atol=1e-12)
+    cu[1] = 7  # the same tensor, new boundaries
+    with CountToList() as reads:
+        out = packed_causal_attention(q, k, v, cu)
+    assert reads.count == 1
+    torch.testing.assert_close(out, _reference(q, k, v, [0, 7, 12], None), rtol=1e-12, atol=1e-12)

@@ -19,6 +19,7 @@ import functools
 import importlib.util
 import inspect
 import logging
+import weakref
 from typing import Any, Literal
 
 import torch
@@ -84,6 +85,20 @@ def varlen_causal_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlen
                        window_size=(left, 0), **gqa)
 
 
+_last_lengths: tuple[weakref.ref, int, list[int]] | None = None  # (cu_seqlens, its version, its lengths)
+
+
+def _host_lengths(cu_seqlens: Tensor) -> list[int]:
+    """The segment lengths on the host, read once per `cu_seqlens` tensor: every layer of a micro-batch passes
+    the same one, and on CUDA (fp32 rows, which take this path) each read waits for the GPU."""
+    global _last_lengths
+    if _last_lengths is not None and _last_lengths[0]() is cu_seqlens and _last_lengths[1] == cu_seqlens._version:
+        return _last_lengths[2]
+    lengths = torch.diff(cu_seqlens).tolist()
+    _last_lengths = (weakref.ref(cu_seqlens), cu_seqlens._version, lengths)
+    return lengths
+
+
 def packed_causal_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, *,
                             max_len: int | None = None, scale: float | None = None, window: int | None = None,
                             dropout: float = 0.0) -> Tensor:
@@ -100,7 +115,7 @@ def packed_causal_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlen
         max_len = max_len or int(torch.diff(cu_seqlens).max())
         return varlen_causal_attention(query, key, value, cu_seqlens, max_len, scale=scale, window=window,
                                        kernel=varlen_kernel("cuda"))
-    lengths = torch.diff(cu_seqlens).tolist()
+    lengths = _host_lengths(cu_seqlens)
     gqa = query.shape[1] != key.shape[1]
     outs = []
     # split (not slicing in a loop): its backward is one cat, not a zero-filled copy per segment
