@@ -170,6 +170,14 @@ def test_paged_rejects_unsupported_models(model_cache):
         TorchGenerationBackend(str(path), decode="fast")
 
 
+def test_paged_rejects_length_dependent_rope(model_cache):
+    """Dynamic NTK / LongRoPE frequencies come from the batch's longest position, read on the host each step."""
+    path = cached_tiny_checkpoint("llama", seed=0, cache_dir=model_cache,
+                                  rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(ValueError, match="rope_type='dynamic'.*decode='dense'"):
+        TorchGenerationBackend(str(path), decode="paged")
+
+
 # ---------------------------------------------------------------------- GPU (skipped without CUDA)
 def _cuda_logprobs(model, prompt: list[int], completion: list[int], temperature: float) -> torch.Tensor:
     """Logprobs of `completion` under a fresh single-sequence forward of `model` on CUDA (float32 result)."""

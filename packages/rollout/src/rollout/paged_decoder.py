@@ -52,6 +52,13 @@ def check_supported(model: Any) -> None:
             f"{type(model).__name__} (layer types {sorted(layer_types)}, sliding_window={sliding}) is not one. "
             f"Build TorchGenerationBackend with decode='dense'"
         )
+    rope_type = getattr(inner.rotary_emb, "rope_type", "default")
+    if rope_type in ("dynamic", "longrope"):  # frequencies from the batch's longest position, read on the host
+        raise ValueError(
+            f"the paged decode path needs rotary frequencies that do not depend on the sequence length; "
+            f"{type(model).__name__} uses rope_type={rope_type!r}, which reads the longest position on the host "
+            f"in every step (not capturable in a CUDA graph). Build TorchGenerationBackend with decode='dense'"
+        )
 
 
 class PagedDecoder:
