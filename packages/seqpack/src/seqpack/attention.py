@@ -90,8 +90,11 @@ _last_lengths: tuple[weakref.ref, int, list[int]] | None = None  # (cu_seqlens, 
 
 def _host_lengths(cu_seqlens: Tensor) -> list[int]:
     """The segment lengths on the host, read once per `cu_seqlens` tensor: every layer of a micro-batch passes
-    the same one, and on CUDA (fp32 rows, which take this path) each read waits for the GPU."""
+    the same one, and on CUDA (fp32 rows, which take this path) each read waits for the GPU. Inference
+    tensors (rollout's prefill) are read every time."""
     global _last_lengths
+    if cu_seqlens.is_inference():  # no version counter to tell an in-place change: read every time
+        return torch.diff(cu_seqlens).tolist()
     if _last_lengths is not None and _last_lengths[0]() is cu_seqlens and _last_lengths[1] == cu_seqlens._version:
         return _last_lengths[2]
     lengths = torch.diff(cu_seqlens).tolist()
