@@ -70,8 +70,8 @@ def test_varlen_attention_matches_per_sequence_sdpa_on_gpu(window: int | None) -
     assert max(result["rel_err"]) < 2e-2, result["rel_err"]
 
 
-def _host_syncs(rank: int, world: int, layers: int) -> int:
-    """Synchronizing CUDA calls (torch's sync debug mode) in one warm packed bf16 forward_backward."""
+def _host_syncs(rank: int, world: int, layers: int, precision: str) -> int:
+    """Synchronizing CUDA calls (torch's sync debug mode) in one warm packed forward_backward."""
     from engine_dtensor.engine import DTensorEngine
     from engine_dtensor.testing import grpo_batch, make_policy
     from rl_core.losses import ClippedPGLoss
@@ -79,7 +79,7 @@ def _host_syncs(rank: int, world: int, layers: int) -> int:
     from rl_core.testing.tiny_models import cached_tiny_checkpoint
 
     path = str(cached_tiny_checkpoint("qwen2", seed=0, num_hidden_layers=layers))
-    engine = DTensorEngine(make_policy(path, precision="bfloat16",
+    engine = DTensorEngine(make_policy(path, precision=precision,
                                        sequence_packing={"enabled": True, "train_mb_tokens": 48}))
     batch = grpo_batch(path, lengths=[5, 9, 7, 12, 16, 3, 11, 8])
     engine.forward_backward(batch, ClippedPGLoss())  # kernels loaded, allocator grown
@@ -88,13 +88,14 @@ def _host_syncs(rank: int, world: int, layers: int) -> int:
 
 
 @pytest.mark.gpu
-def test_packed_training_pass_syncs_the_host_independently_of_depth() -> None:
+@pytest.mark.parametrize("precision", ["bfloat16", "float32"])  # fp32 rows take the per-sequence attention
+def test_packed_training_pass_syncs_the_host_independently_of_depth(precision: str) -> None:
     """A host read of a device tensor inside a layer stalls the launch queue once per layer and micro-batch
     (the packed attention's length check did): the synchronizing calls of a training pass must not grow
     with the number of layers."""
     from rl_core.testing.distributed import CUDA_BACKEND
 
-    counts = {layers: run_distributed(_host_syncs, world_size=1, args=(layers,), backend=CUDA_BACKEND,
+    counts = {layers: run_distributed(_host_syncs, world_size=1, args=(layers, precision), backend=CUDA_BACKEND,
                                       start_method="spawn")[0] for layers in (1, 3)}
     print(f"synchronizing CUDA calls in one packed forward_backward by layers: {counts}")
     assert counts[1] >= 1, counts  # the instrument works: the pass reads its loss once at the end

@@ -139,15 +139,15 @@ def test_packed_bf16_without_te_tracks_fp32_on_gpu(tiny_ckpt) -> None:
     assert logprobs <= 0.15 and (num / den) ** 0.5 <= 5e-2, (logprobs, (num / den) ** 0.5)
 
 
-def _host_syncs(rank: int, world_size: int, ckpt: str) -> int:
-    """Synchronizing CUDA calls (torch's sync debug mode) in one warm packed bf16 forward_backward."""
+def _host_syncs(rank: int, world_size: int, ckpt: str, precision: str) -> int:
+    """Synchronizing CUDA calls (torch's sync debug mode) in one warm packed forward_backward."""
     from megatron_testutil import LOSS, global_batch
 
     from engine_megatron.engine import MegatronEngine
     from rl_core.losses import ClippedPGLoss
     from rl_core.testing.cuda_syncs import count_cuda_syncs
 
-    engine = MegatronEngine(make_policy(ckpt, precision="bfloat16", **PACKING))
+    engine = MegatronEngine(make_policy(ckpt, precision=precision, **PACKING))
     batch = global_batch(0)
     batch = batch.with_fields(prev_logprobs=[torch.zeros(n) for n in batch.lengths])
     engine.forward_backward(batch, ClippedPGLoss(LOSS))  # kernels loaded, fusions compiled, allocator grown
@@ -156,7 +156,8 @@ def _host_syncs(rank: int, world_size: int, ckpt: str) -> int:
 
 
 @pytest.mark.gpu
-def test_packed_training_pass_syncs_the_host_independently_of_depth(tmp_path) -> None:
+@pytest.mark.parametrize("precision", ["bfloat16", "float32"])  # fp32 rows take the per-sequence attention
+def test_packed_training_pass_syncs_the_host_independently_of_depth(tmp_path, precision: str) -> None:
     """As engine-dtensor's: a host read of a device tensor inside a layer stalls the launch queue once per
     layer and micro-batch; the synchronizing calls of a training pass must not grow with the layers."""
     from megatron_testutil import VOCAB
@@ -167,7 +168,8 @@ def test_packed_training_pass_syncs_the_host_independently_of_depth(tmp_path) ->
     for layers in (1, 3):
         ckpt = str(save_tiny_checkpoint(tmp_path / f"qwen2-{layers}", "qwen2", seed=1, vocab_size=VOCAB,
                                         num_hidden_layers=layers))
-        counts[layers] = run_distributed(_host_syncs, world_size=1, args=(ckpt,), backend=CUDA_BACKEND)[0]
+        counts[layers] = run_distributed(_host_syncs, world_size=1, args=(ckpt, precision),
+                                         backend=CUDA_BACKEND)[0]
     print(f"synchronizing CUDA calls in one packed forward_backward by layers: {counts}")
     assert counts[1] >= 1, counts  # the instrument works: the pass reads its loss once at the end
     assert counts[1] == counts[3], counts
