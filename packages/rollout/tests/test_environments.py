@@ -3,12 +3,18 @@ handling of crashes, timeouts and bad return values (counted, scored 0, run goes
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import tempfile
 import textwrap
+import time
 
 import pytest
 
 from rl_core.interfaces import Environment, RewardRequest
 from rollout.environments import create_environment, environment_names, toy_prompts
+from rollout.environments.pool import RewardPool
 from rollout.rewards.math_answer import last_boxed_answer, math_reward
 from rollout.rewards.toy import repeat_char_reward
 
@@ -122,3 +128,47 @@ def test_bad_names_are_clear_errors():
     with pytest.raises(ValueError, match="no_such_module_xyz"):
         create_environment("function", fn="no_such_module_xyz:f", num_workers=1)
     assert {"math", "repeat_char", "copy_digits", "function"} <= set(environment_names())
+
+
+POOL_SCRIPT = textwrap.dedent('''
+    import sys, time
+    from rollout.environments.pool import RewardPool
+    pool = RewardPool("rollout.rewards.toy:repeat_char_reward", num_workers=1)
+    assert pool.run([("ab:7", "7777", {})])[0].reward == 1.0
+    print(pool.dir, flush=True)
+    if sys.argv[1] == "wait":
+        time.sleep(120)
+''')  # "exit": ends without close()
+
+
+def test_pool_directory_goes_with_close_exit_and_killed_owner(tmp_path, monkeypatch):
+    """No scratch directory outlives its pool: removed at close(), at interpreter exit, and (for an owner
+    killed with SIGKILL, where nothing of it runs) by the next pool on the machine; a live pool's stays."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {**os.environ, "TMPDIR": str(temp)}
+
+    def start(mode: str) -> tuple[subprocess.Popen, str]:
+        proc = subprocess.Popen([sys.executable, "-c", POOL_SCRIPT, mode], env=env, stdout=subprocess.PIPE, text=True)
+        return proc, proc.stdout.readline().strip()
+
+    exited, exited_dir = start("exit")
+    assert exited.wait(timeout=60) == 0 and exited_dir.startswith(str(temp)) and not os.path.exists(exited_dir)
+    killed, killed_dir = start("wait")
+    alive, alive_dir = start("wait")
+    try:
+        killed.kill()
+        killed.wait(timeout=10)
+        time.sleep(1)  # its worker sees the pipe close and exits
+        assert os.path.isdir(killed_dir)  # nothing of a SIGKILLed process runs
+        monkeypatch.setattr(tempfile, "tempdir", str(temp))
+        pool = RewardPool("rollout.rewards.toy:repeat_char_reward", num_workers=1)
+        assert not os.path.exists(killed_dir) and os.path.isdir(alive_dir) and os.path.isdir(pool.dir)
+        pool.close()
+        assert not os.path.exists(pool.dir)
+        with pytest.raises(RuntimeError, match="closed"):
+            pool.run([("ab:7", "7", {})])
+    finally:
+        alive.kill()
+        alive.wait(timeout=10)
+    assert sorted(p.name for p in temp.iterdir()) == [os.path.basename(alive_dir)]

@@ -7,19 +7,29 @@ worker (memory, files, network) is rollout._sandbox's.
 
 Workers are started with `spawn` (no inherited torch threads or CUDA state) and import only
 rollout._reward_worker plus the reward function, so a replacement starts in well under a second.
+
+Scratch files: each pool owns one directory `reward-pool-*` in the system temp dir (a scratch subdirectory
+per worker) and holds an exclusive `flock` on a lock file in it for its lifetime. The directory goes with
+`close()`, at interpreter exit, and, when the owning process was killed (SIGKILL, OOM: the kernel drops
+the lock), with the next pool started on that machine, which removes every pool directory whose lock it
+can take. Nothing keys on process ids, so pools in other containers sharing the temp dir are left alone.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import multiprocessing as mp
+import os
 import shutil
 import tempfile
 import time
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
+from pathlib import Path
 from typing import Any
 
 from rollout._reward_worker import worker_main
@@ -27,6 +37,8 @@ from rollout._reward_worker import worker_main
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 120.0
+POOL_DIR_PREFIX = "reward-pool-"
+LOCK_NAME = ".lock"
 
 
 @dataclass
@@ -40,8 +52,9 @@ class CallOutcome:
 
 
 class _Worker:
-    def __init__(self, ctx: Any, fn_path: str, kwargs: dict[str, Any], memory_limit_mb: int | None) -> None:
-        self.scratch = tempfile.mkdtemp(prefix="reward-scratch-")
+    def __init__(self, ctx: Any, fn_path: str, kwargs: dict[str, Any], memory_limit_mb: int | None,
+                 pool_dir: str) -> None:
+        self.scratch = tempfile.mkdtemp(prefix="worker-", dir=pool_dir)
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=worker_main, args=(child, fn_path, kwargs, self.scratch, memory_limit_mb),
                                    daemon=True)
@@ -73,6 +86,40 @@ class _Worker:
         shutil.rmtree(self.scratch, ignore_errors=True)
 
 
+def _create_pool_dir() -> tuple[str, int]:
+    """A fresh pool directory and the descriptor of its lock, already held. The lock file is locked under a
+    temporary name and then renamed, so a reaper never finds `.lock` unlocked in a live pool's directory."""
+    path = tempfile.mkdtemp(prefix=POOL_DIR_PREFIX)
+    fd = os.open(os.path.join(path, LOCK_NAME + ".new"), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.rename(os.path.join(path, LOCK_NAME + ".new"), os.path.join(path, LOCK_NAME))
+    return path, fd
+
+
+def _remove_pool_dir(path: str, lock_fd: int) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    os.close(lock_fd)
+
+
+def remove_orphaned_pool_dirs() -> int:
+    """Remove the directories of pools whose process is gone (their lock is free); returns how many."""
+    removed = 0
+    for path in Path(tempfile.gettempdir()).glob(POOL_DIR_PREFIX + "*"):
+        try:
+            fd = os.open(path / LOCK_NAME, os.O_RDWR)
+        except OSError:  # not a pool directory of ours, or one still being created
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # its pool is alive
+            os.close(fd)
+            continue
+        shutil.rmtree(path, ignore_errors=True)  # under the lock: a concurrent reaper skips it
+        os.close(fd)
+        removed += 1
+    return removed
+
+
 class RewardPool:
     """`num_workers` sandboxed subprocesses (rollout._sandbox) running `fn_path` (pkg.module:function).
 
@@ -94,6 +141,12 @@ class RewardPool:
         self.fn_kwargs, self.memory_limit_mb = dict(fn_kwargs or {}), memory_limit_mb
         self._ctx = mp.get_context("spawn")
         self._workers: list[_Worker] = []
+        orphans = remove_orphaned_pool_dirs()
+        if orphans:
+            logger.info("removed %d reward pool directories left by killed runs", orphans)
+        self.dir, lock_fd = _create_pool_dir()
+        # at close(), garbage collection or interpreter exit, whichever comes first
+        self._remove_dir = weakref.finalize(self, _remove_pool_dir, self.dir, lock_fd)
         self._ensure_workers()  # a bad import path fails here, at setup, not in the first step
         logger.info("reward pool for %s: %d sandboxed worker(s) (%s)", fn_path, self.num_workers,
                     ", ".join(self.sandbox))
@@ -105,7 +158,7 @@ class RewardPool:
 
     def _ensure_workers(self) -> None:
         # Start all, then wait for all: imports (sympy for math-verify: seconds) overlap.
-        fresh = [_Worker(self._ctx, self.fn_path, self.fn_kwargs, self.memory_limit_mb)
+        fresh = [_Worker(self._ctx, self.fn_path, self.fn_kwargs, self.memory_limit_mb, self.dir)
                  for _ in range(self.num_workers - len(self._workers))]
         try:
             ready = [w.wait_ready() for w in fresh]
@@ -117,6 +170,8 @@ class RewardPool:
 
     def run(self, calls: Sequence[tuple[str, str, dict[str, Any]]]) -> list[CallOutcome]:
         """Score (prompt, completion, metadata) triples; one outcome per call, in order."""
+        if not self._remove_dir.alive:
+            raise RuntimeError(f"reward pool for {self.fn_path!r} is closed; create a new one")
         self._ensure_workers()
         results: list[CallOutcome | None] = [None] * len(calls)
         pending = deque(range(len(calls)))
@@ -167,13 +222,13 @@ class RewardPool:
 
     def _replace(self, worker: _Worker) -> _Worker:
         worker.kill()
-        fresh = _Worker(self._ctx, self.fn_path, self.fn_kwargs, self.memory_limit_mb).wait_ready()
+        fresh = _Worker(self._ctx, self.fn_path, self.fn_kwargs, self.memory_limit_mb, self.dir).wait_ready()
         self._workers[self._workers.index(worker)] = fresh
         logger.warning("replaced crashed reward worker for %s", self.fn_path)
         return fresh
 
     def close(self) -> None:
-        """Stop every worker."""
+        """Stop every worker and remove the pool's directory; the pool cannot run again."""
         for worker in self._workers:
             try:
                 worker.conn.send(None)
@@ -182,6 +237,7 @@ class RewardPool:
             worker.process.join(timeout=1)
             worker.kill()
         self._workers = []
+        self._remove_dir()
 
     def __del__(self) -> None:
         try:
