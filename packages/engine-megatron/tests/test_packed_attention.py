@@ -86,11 +86,13 @@ class _NoContextParallel:  # megatron's rope reads the CP group's size and rank
         return 0
 
 
-@pytest.mark.parametrize("interleaved,mscale", [(False, 1.0), (True, 1.3)])
-def test_one_call_thd_rope_equals_megatron_thd_rope(interleaved: bool, mscale: float) -> None:
+@pytest.mark.parametrize("interleaved,mscale,rot_dim", [(False, 1.0, DIM), (True, 1.3, DIM), (False, 1.0, DIM // 2)])
+def test_one_call_thd_rope_equals_megatron_thd_rope(interleaved: bool, mscale: float, rot_dim: int) -> None:
     """The one-call rope == megatron's per-sequence THD rope (float64; 1-token and padded segments, one
-    sequence as long as the freqs), its op count does not grow with the number of sequences, and it reads
-    nothing on the host (megatron's reads the lengths: a sync per layer on CUDA)."""
+    sequence as long as the freqs, partial rotary dims), its op count does not grow with the number of
+    sequences, it reads nothing on the host (megatron's reads the lengths: a sync per layer on CUDA), and
+    a second call on the same micro-batch (k after q, the next layer) reuses the cos / sin tables, but not
+    after the lengths changed in place."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from engine_megatron.packed_attention import _MEGATRON_THD_ROPE, one_call_thd_rope
@@ -106,18 +108,23 @@ def test_one_call_thd_rope_equals_megatron_thd_rope(interleaved: bool, mscale: f
             return func(*args, **(kwargs or {}))
 
     gen = torch.Generator().manual_seed(0)
-    counts = []
-    for lengths in ([8, 4, 12, 4, 1], [3] * 40, [16]):
+    kw = dict(cp_group=_NoContextParallel(), rotary_interleaved=interleaved, mscale=mscale)
+    first_calls, next_calls = [], []
+    for lengths in ([16], [3] * 40, [8, 4, 12, 4, 1]):
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-        t = torch.randn(sum(lengths), 4, DIM, generator=gen, dtype=torch.float64)
-        freqs = torch.randn(max(lengths), 1, 1, DIM, generator=gen, dtype=torch.float64)
-        kw = dict(cp_group=_NoContextParallel(), rotary_interleaved=interleaved, mscale=mscale)
-        with CountOps() as ops:
-            got = one_call_thd_rope(_MEGATRON_THD_ROPE, t, cu, freqs, **kw)
-        counts.append(ops.count)
-        assert ops.host_reads == 0, lengths
-        assert float((got - _MEGATRON_THD_ROPE(t, cu, freqs, **kw)).abs().max()) < 1e-12
-    assert counts[0] == counts[1] and max(counts) <= 30, counts
+        freqs = torch.randn(max(lengths), 1, 1, rot_dim, generator=gen, dtype=torch.float64)
+        for calls in (first_calls, next_calls):
+            t = torch.randn(sum(lengths), 4, DIM, generator=gen, dtype=torch.float64)
+            with CountOps() as ops:
+                got = one_call_thd_rope(_MEGATRON_THD_ROPE, t, cu, freqs, **kw)
+            calls.append(ops.count)
+            assert ops.host_reads == 0, lengths
+            assert torch.equal(got, _MEGATRON_THD_ROPE(t, cu, freqs, **kw)), lengths
+    assert first_calls[1] == first_calls[2] and max(first_calls) <= 30, first_calls
+    assert max(next_calls) <= 12 and max(next_calls) < min(first_calls) - 8, (first_calls, next_calls)
+    cu[1:3] = torch.tensor([2, 12], dtype=torch.int32)  # the same tensor, new lengths: the tables are made again
+    t = torch.randn(29, 4, DIM, generator=gen, dtype=torch.float64)
+    assert torch.equal(one_call_thd_rope(_MEGATRON_THD_ROPE, t, cu, freqs, **kw), _MEGATRON_THD_ROPE(t, cu, freqs, **kw))
 
 
 def _compare_padded(rank: int, world: int, groups: int, dtype: torch.dtype) -> dict:

@@ -22,8 +22,10 @@ dropped by the engine (batching.per_sequence).
 
 Rope: megatron's unfused THD rope walks the sequences of the row in Python in every layer (0.16: a slice
 per sequence and a cat; 0.19: a whole rope per sequence, 2312 ops for 128 sequences against 15 for one
-call, measured on CPU). `use_one_call_thd_rope` replaces it, without context parallelism, by one rope call
-over the row with positions that restart at each cu_seqlens entry (same result; test_packed_attention).
+call, measured on CPU), and megatron's bshd rope takes cos and sin of the frequencies in each call (q and k
+of every layer). `use_one_call_thd_rope` replaces it, without context parallelism, by one rope call over
+the row with positions that restart at each cu_seqlens entry and cos / sin tables computed once per
+micro-batch (same values bit for bit; test_packed_attention).
 """
 
 from __future__ import annotations
@@ -102,15 +104,44 @@ def use_one_call_thd_rope() -> None:
 
 
 def one_call_thd_rope(megatron_thd_rope: Any, t: Tensor, cu_seqlens: Tensor, freqs: Tensor, *,
-                      cp_group: Any = None, **bshd_kwargs: Any) -> Tensor:
-    """megatron's THD rope of t (T, heads, d) in one bshd call: token i of a sequence starting at s gets
-    freqs[i - s]. Context parallelism and freqs given per row position (megatron-core 0.19 reads freqs of
-    the row's length that way) stay with megatron's version, which reads the lengths on the host (a sync
-    on CUDA in every layer); with one segment both readings are the same, so it stays here."""
-    total = t.shape[0]
-    per_row_freqs = freqs.shape[0] == total and cu_seqlens.numel() > 2
-    if cp_group is None or cp_group.size() != 1 or per_row_freqs:
-        return megatron_thd_rope(t, cu_seqlens, freqs, cp_group=cp_group, **bshd_kwargs)
+                      cp_group: Any = None, rotary_interleaved: bool = False, mscale: float = 1.0,
+                      **mla_kwargs: Any) -> Tensor:
+    """megatron's THD rope of t (T, heads, d) in one call: token i of a sequence starting at s gets
+    freqs[i - s]. Its cos / sin tables are computed once per micro-batch (`_token_rope_tables`), not for q
+    and k of every layer as megatron's bshd rope does. Context parallelism, multi-latent attention and freqs
+    given per row position (megatron-core 0.19 reads freqs of the row's length that way) stay with
+    megatron's version, which reads the lengths on the host (a sync on CUDA in every layer); with one
+    segment both readings of freqs are the same, so it stays here."""
+    per_row_freqs = freqs.shape[0] == t.shape[0] and cu_seqlens.numel() > 2
+    if cp_group is None or cp_group.size() != 1 or per_row_freqs or any(mla_kwargs.values()):
+        return megatron_thd_rope(t, cu_seqlens, freqs, cp_group=cp_group, rotary_interleaved=rotary_interleaved,
+                                 mscale=mscale, **mla_kwargs)
+    cos, sin = _token_rope_tables(cu_seqlens, freqs, t.shape[0], t.dtype, mscale)  # (T, 1, rot_dim)
+    rot_dim = cos.shape[-1]
+    rotated, passed = t[..., :rot_dim], t[..., rot_dim:]
+    # megatron's expression (rope_utils._apply_rotary_pos_emb_bshd): the same values, bit for bit
+    rotated = rotated * cos + rope_utils._rotate_half(rotated[:, None], rotary_interleaved)[:, 0] * sin
+    return rotated if passed.shape[-1] == 0 else torch.cat((rotated, passed), dim=-1)
+
+
+# The last micro-batch's tables: (cu_seqlens, freqs, their versions, dtype, mscale, cos, sin)
+_last_tables: tuple | None = None
+
+
+def _token_rope_tables(cu_seqlens: Tensor, freqs: Tensor, total: int, dtype: torch.dtype,
+                       mscale: float) -> tuple[Tensor, Tensor]:
+    """cos and sin of every token's frequencies, (total, 1, rot_dim) in `dtype`, as megatron rounds them.
+    Reused while the same cu_seqlens and freqs tensors come back unchanged (q and k of every layer of a
+    forward, and its backward holds them); inference tensors, which have no version counter, every time."""
+    global _last_tables
+    cacheable = not (cu_seqlens.is_inference() or freqs.is_inference())
+    key = (cu_seqlens._version, freqs._version, total, dtype, mscale) if cacheable else None
+    last = _last_tables
+    if key is not None and last is not None and last[0] is cu_seqlens and last[1] is freqs and last[2] == key:
+        return last[3], last[4]
     starts = torch.repeat_interleave(cu_seqlens[:-1], torch.diff(cu_seqlens), output_size=total)  # (T,)
-    positions = torch.arange(total, device=t.device) - starts
-    return rope_utils._apply_rotary_pos_emb_bshd(t[:, None], freqs[positions], **bshd_kwargs)[:, 0]
+    token_freqs = freqs[torch.arange(total, device=freqs.device) - starts][:, 0]  # (T, 1, rot_dim)
+    cos = (torch.cos(token_freqs) * mscale).to(dtype)
+    sin = (torch.sin(token_freqs) * mscale).to(dtype)
+    _last_tables = (cu_seqlens, freqs, key, cos, sin) if cacheable else None
+    return cos, sin
