@@ -42,3 +42,50 @@ def test_fallback_fixes_apply_when_cuda_is_available() -> None:
     assert lines[0] == "unfixed norm asserts"  # the bug is megatron's, on any device
     assert "torch-norm-sequence-parallel" in lines[1] and "distopt-shared-step" in lines[1]
     assert lines[-1] == "ok"
+
+
+def test_foreach_clip_grad_ops_equal_megatrons_without_host_reads() -> None:
+    """Without apex, megatron's grad-norm clipping reads every parameter's norm on the host (a CUDA sync per
+    parameter, every step). The foreach replacements give megatron's results with no host read, and
+    `apply_fallback_fixes` installs them where megatron took its apex-free fallbacks."""
+    import torch
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from engine_megatron.fallback_fixes import apply_fallback_fixes, foreach_l2_norm, foreach_scale
+    from engine_megatron.megatron_cpu import cpu_device_context, ensure_cpu_compat
+
+    class HostReads(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    ensure_cpu_compat()  # megatron's version allocates on "cuda"
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(shape, generator=gen) for shape in ((7, 5), (5,), (3, 4, 2), (1,))]
+    flag = torch.zeros(1, dtype=torch.int)
+    with cpu_device_context(), HostReads() as theirs_reads:
+        theirs, _ = utils.local_multi_tensor_l2_norm(2048, flag, [grads[:2], grads[2:]], False)
+    with HostReads() as ours_reads:
+        ours, _ = foreach_l2_norm(2048, flag, [grads[:2], grads[2:]], False)
+    reference = torch.cat([g.double().flatten() for g in grads]).norm()
+    assert ours.shape == theirs.shape == (1,) and ours.dtype == theirs.dtype == torch.float32
+    assert abs(float(ours) - float(reference)) < 1e-6 * float(reference) and torch.allclose(ours, theirs, rtol=1e-6)
+    # megatron's: `float(total)`, plus one copy per parameter in `torch.tensor(list of 0-d tensors)`, which
+    # a dispatch mode does not see on CPU tensors
+    assert theirs_reads.count >= 1 and ours_reads.count == 0
+    assert float(foreach_l2_norm(2048, flag, [[]], False)[0]) == 0.0
+
+    expected = [g * 0.3 for g in grads]
+    in_place = [g.clone() for g in grads]
+    foreach_scale(2048, flag, [in_place, in_place], 0.3)
+    copied = [torch.empty_like(g) for g in grads]
+    foreach_scale(2048, flag, [grads, copied], 0.3)
+    assert all(torch.equal(a, e) and torch.equal(b, e) for a, b, e in zip(in_place, copied, expected))
+
+    fixes = apply_fallback_fixes()
+    assert {"clip-grads-foreach-l2-norm", "clip-grads-foreach-scale"} <= set(fixes)
+    assert clip_grads.l2_norm_impl is foreach_l2_norm and clip_grads.multi_tensor_scale_impl is foreach_scale

@@ -3,7 +3,9 @@
 Without TE and apex, megatron builds its local layer spec with `WrappedTorchNorm` and steps with
 `torch.optim.AdamW`; both fallbacks have bugs of their own, found on the CPU (shared/notes/megatron-cpu-probe)
 but not CPU-specific: a GPU without TE hits them the same way (tensor parallelism turns sequence parallelism
-on, a resumed run loads the optimizer). `apply_fallback_fixes()` patches them once per process, before
+on, a resumed run loads the optimizer). Without apex, grad-norm clipping loops over the parameters in
+Python and reads each parameter's norm on the host (a sync per parameter on CUDA, every step); torch's
+foreach kernels replace that loop. `apply_fallback_fixes()` patches them once per process, before
 models are built; each patch only touches the fallback it fixes, so it changes nothing where TE or apex is
 used. `engine_megatron.megatron_cpu` adds the CPU-only adaptations on top.
 """
@@ -19,7 +21,7 @@ import torch
 @functools.cache
 def apply_fallback_fixes() -> list[str]:
     """Apply the fixes once (idempotent); return their names."""
-    return [*_patch_torch_norm(), *_patch_moe_router(), *_patch_optimizer_state()]
+    return [*_patch_torch_norm(), *_patch_moe_router(), *_patch_optimizer_state(), *_patch_multi_tensor_ops()]
 
 
 def _patch_torch_norm() -> list[str]:
@@ -100,3 +102,40 @@ def _patch_optimizer_state() -> list[str]:
     DistOpt.sharded_state_dict = sharded_state_dict
     DistOpt.load_state_dict = load_state_dict
     return ["distopt-step-keyerror", "distopt-lazy-adam-state", "distopt-shared-step"]
+
+
+def foreach_l2_norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list[list[torch.Tensor]],
+                    per_tensor: bool, *args: Any) -> tuple[torch.Tensor, None]:
+    """megatron's apex-free `local_multi_tensor_l2_norm` without its host reads: that builds
+    `torch.tensor(list of 0-d device tensors)` (one device-to-host copy per parameter) and copies the total
+    to the host and back. Same result: a (1,) float32 tensor, the l2 norm over every tensor of every list."""
+    tensors = [t for tensor_list in tensor_lists for t in tensor_list]
+    if not tensors:
+        return torch.zeros(1, dtype=torch.float, device=noop_flag.device), None
+    norms = torch.stack(torch._foreach_norm(tensors)).float()
+    return torch.linalg.vector_norm(norms).reshape(1), None
+
+
+def foreach_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list[list[torch.Tensor]],
+                  scale: float) -> None:
+    """megatron's apex-free `local_multi_tensor_scale` (dst = src * scale, one pair of ops per tensor) in
+    foreach calls; clipping scales the gradients in place (src is dst)."""
+    src, dst = tensor_lists
+    if all(s is d for s, d in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
+def _patch_multi_tensor_ops() -> list[str]:
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+
+    patched = []
+    if getattr(clip_grads, "l2_norm_impl", None) is utils.local_multi_tensor_l2_norm:  # apex / TE missing
+        clip_grads.l2_norm_impl = foreach_l2_norm
+        patched.append("clip-grads-foreach-l2-norm")
+    if getattr(clip_grads, "multi_tensor_scale_impl", None) is utils.local_multi_tensor_scale:
+        clip_grads.multi_tensor_scale_impl = foreach_scale
+        patched.append("clip-grads-foreach-scale")
+    return patched
