@@ -200,3 +200,30 @@ def test_compiled_layers_equal_eager_and_new_lengths_compile_nothing_new(ckpt) -
               f"max|dgrad| = {max_abs_diff(grads, ref_grads):.2e}")
     print(f"graphs compiled per batch: {graphs}")
     assert graphs[0] > 0 and graphs[1:] == [0, 0], graphs
+
+
+def _gradient_divides(rank: int, world: int, path: str, batch) -> int:
+    """Divisions of FSDP's flat gradient buffers (by their size: more elements than any parameter) in one
+    forward_backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Divides(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket in (torch.ops.aten.div, torch.ops.aten.div_) and args[0].numel() > largest:
+                self.count += 1
+            return out
+
+    engine = DTensorEngine(make_policy(path))
+    largest = max(p.numel() for p in engine.model.parameters())
+    with Divides() as divides:
+        engine.forward_backward(batch, LOSS)
+    return divides.count
+
+
+def test_one_rank_fsdp_does_not_divide_the_gradients(ckpt) -> None:
+    """Losses come pre-normalised, so FSDP's divide factor is 1.0 where DP sums over ranks; on one rank
+    there is nothing to sum, and setting the factor made FSDP divide every gradient by 1.0 anyway."""
+    assert run_distributed(_gradient_divides, 1, args=(ckpt("qwen2"), grpo_batch(ckpt("qwen2"))))[0] == 0

@@ -47,9 +47,10 @@ def segment_sdpa_forward(
         )
     if query.shape[0] != 1:
         raise ValueError(f"sdpa_segments needs one packed row: query {tuple(query.shape)} (1, H, T, D)")
-    out = _packed_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                                  cu, max_len=kwargs.get("max_length_q"), scale=scaling,
-                                  window=kwargs.get("sliding_window"), dropout=dropout if module.training else 0.0)
+    # squeeze, not [0]: a select's backward allocates zeros and copies each of q, k, v's gradients
+    q, k, v = (x.squeeze(0).transpose(0, 1) for x in (query, key, value))  # (T, H, D)
+    out = _packed_attention(q, k, v, cu, max_len=kwargs.get("max_length_q"), scale=scaling,
+                            window=kwargs.get("sliding_window"), dropout=dropout if module.training else 0.0)
     return out[None], None  # (1, T, H, D)
 
 

@@ -181,7 +181,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: DTensorConfig) -> None:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     # Losses are already divided by global-batch normalisers: DP gradients must be summed, not averaged.
-    # Plain SUM collectives: the default pre-multiplied sum (PREMUL_SUM) does not exist in gloo.
+    # Plain SUM collectives: the default pre-multiplied sum (PREMUL_SUM) does not exist in gloo. On one rank
+    # FSDP neither reduces nor divides, and a divide factor of 1.0 would cost a pass over every gradient.
+    if mesh.size() == 1:
+        return
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
