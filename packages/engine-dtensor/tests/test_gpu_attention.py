@@ -70,7 +70,7 @@ def test_varlen_attention_matches_per_sequence_sdpa_on_gpu(window: int | None) -
     assert max(result["rel_err"]) < 2e-2, result["rel_err"]
 
 
-def _host_syncs(rank: int, world: int, layers: int, precision: str) -> int:
+def _host_syncs(rank: int, world: int, layers: int, precision: str, mb_tokens: int = 48) -> int:
     """Synchronizing CUDA calls (torch's sync debug mode) in one warm packed forward_backward."""
     from engine_dtensor.engine import DTensorEngine
     from engine_dtensor.testing import grpo_batch, make_policy
@@ -80,7 +80,7 @@ def _host_syncs(rank: int, world: int, layers: int, precision: str) -> int:
 
     path = str(cached_tiny_checkpoint("qwen2", seed=0, num_hidden_layers=layers))
     engine = DTensorEngine(make_policy(path, precision=precision,
-                                       sequence_packing={"enabled": True, "train_mb_tokens": 48}))
+                                       sequence_packing={"enabled": True, "train_mb_tokens": mb_tokens}))
     batch = grpo_batch(path, lengths=[5, 9, 7, 12, 16, 3, 11, 8])
     engine.forward_backward(batch, ClippedPGLoss())  # kernels loaded, allocator grown
     engine.zero_grad()
@@ -100,3 +100,16 @@ def test_packed_training_pass_syncs_the_host_independently_of_depth(precision: s
     print(f"synchronizing CUDA calls in one packed forward_backward by layers: {counts}")
     assert counts[1] >= 1, counts  # the instrument works: the pass reads its loss once at the end
     assert counts[1] == counts[3], counts
+
+
+@pytest.mark.gpu
+def test_packed_training_pass_syncs_the_host_independently_of_micro_batches() -> None:
+    """Copies from pageable host memory synchronise the stream: a micro-batch's inputs and loss fields
+    copied plainly drained the GPU's queue several times per micro-batch (rl_core.batch.host_to_device).
+    bf16 only: fp32 rows take the per-sequence attention, which reads each micro-batch's lengths."""
+    from rl_core.testing.distributed import CUDA_BACKEND
+
+    counts = {tokens: run_distributed(_host_syncs, world_size=1, args=(2, "bfloat16", tokens), backend=CUDA_BACKEND,
+                                      start_method="spawn")[0] for tokens in (128, 24)}  # 1 and 4+ micro-batches
+    print(f"synchronizing CUDA calls in one packed forward_backward by micro-batch token budget: {counts}")
+    assert counts[128] == counts[24], counts

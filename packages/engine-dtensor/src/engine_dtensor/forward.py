@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 import seqpack
 from engine_dtensor.attention import SEGMENT_SDPA
+from rl_core.batch import host_to_device
 from rl_core.logprobs import DEFAULT_LOGPROB_CHUNK_TOKENS, shift_align, vocab_parallel_logprobs
 
 
@@ -67,7 +68,8 @@ def build_padded_inputs(
         return [values[i, :n] for i, n in enumerate(lengths)]
 
     return ModelInputs(
-        ids.to(device), positions.to(device), None if mask is None else mask.to(device), unpack
+        host_to_device(ids, device), host_to_device(positions, device),
+        None if mask is None else host_to_device(mask, device), unpack
     )
 
 
@@ -79,18 +81,19 @@ def build_packed_inputs(
     mask, kwargs = None, {}
     if attn_impl == SEGMENT_SDPA:  # each sequence with its padding is one segment; the tail is the last
         ends = layout.cu_seqlens_padded.tolist() + ([layout.total_len] if layout.tail_len else [])
-        kwargs["cu_seq_lens_q"] = torch.tensor(ends, dtype=torch.int32, device=device)
+        kwargs["cu_seq_lens_q"] = host_to_device(torch.tensor(ends, dtype=torch.int32), device)
         # computed here once per micro-batch: the varlen kernels need it and reading it on the GPU syncs
         kwargs["max_length_q"] = max(b - a for a, b in zip(ends[:-1], ends[1:]))
     elif attn_impl != "flash_attention_2":
-        mask = _kernel_mask(seqpack.block_causal_mask(layout)[None], attn_impl).to(device)
+        mask = host_to_device(_kernel_mask(seqpack.block_causal_mask(layout)[None], attn_impl), device)
 
     def unpack(values: Tensor) -> list[Tensor]:
         # position 0 of a packed sequence holds the logprob of its first token given the previous
         # sequence: nothing predicts a first token, so it is 0 by convention (and gets no gradient).
         return [torch.cat([x.new_zeros(1), x[1:]]) for x in seqpack.unpack(values[0], layout)]
 
-    return ModelInputs(row[None].to(device), layout.position_ids[None].to(device), mask, unpack, kwargs)
+    return ModelInputs(host_to_device(row[None], device), host_to_device(layout.position_ids[None], device), mask, unpack,
+                       kwargs)
 
 
 def forward_logprobs(

@@ -23,7 +23,7 @@ from torch import Tensor
 
 import seqpack
 from engine_megatron.config import ResolvedSettings
-from rl_core.batch import TokenBatch
+from rl_core.batch import TokenBatch, host_to_device
 from rl_core.config import PolicyConfig, micro_batch_limits
 from rl_core.logprobs import shift_align
 
@@ -151,12 +151,12 @@ def per_sequence(values: Tensor, mb: MicroBatch) -> list[Tensor]:
 
 def to_device(mbs: Sequence[MicroBatch], device: torch.device) -> None:
     for mb in mbs:
-        mb.tokens, mb.position_ids, mb.targets = (t.to(device) for t in (mb.tokens, mb.position_ids, mb.targets))
+        mb.tokens, mb.position_ids, mb.targets = (host_to_device(t, device) for t in (mb.tokens, mb.position_ids, mb.targets))
         params = mb.packed_seq_params
         if params is not None:  # the attention kernels take cu_seqlens on the device of q/k/v
             moved: dict[int, Tensor] = {}  # q and kv share their tensors: one copy each
             for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
                 tensor = getattr(params, name)
                 if id(tensor) not in moved:
-                    moved[id(tensor)] = tensor.to(device)
+                    moved[id(tensor)] = host_to_device(tensor, device)
                 setattr(params, name, moved[id(tensor)])

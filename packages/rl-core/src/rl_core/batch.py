@@ -1,7 +1,8 @@
 """Batch types that cross the engine boundary.
 
 Owns: `TokenBatch` (what a trainer hands an engine), `LossInputs` (what an engine hands a loss for one
-micro-batch) and `StepResult`. Does not own packing or micro-batching: engines do that with seqpack.
+micro-batch), `StepResult`, and `host_to_device` (how a micro-batch's host tensors reach the GPU). Does not
+own packing or micro-batching: engines do that with seqpack.
 
 Alignment convention, shared by every engine and rollout backend: every per-token field of a sequence
 has the sequence's length L. `logprobs[t]` is log p(input_ids[t] | input_ids[:t]) for t >= 1 and 0 at
@@ -18,6 +19,17 @@ import torch
 from torch import Tensor
 
 PER_TOKEN_FIELDS = ("loss_mask", "advantages", "prev_logprobs", "gen_logprobs", "ref_logprobs")
+
+
+def host_to_device(tensor: Tensor, device: torch.device | str) -> Tensor:
+    """`tensor.to(device)` that does not make the host wait for the GPU. torch synchronises the stream for
+    every copy from pageable host memory (`non_blocking=False`), so a micro-batch's inputs and loss fields
+    copied plainly drain the GPU's queue several times per micro-batch; from a pinned copy the transfer is
+    queued like a kernel (torch's pinned allocator keeps the buffer until the copy has run)."""
+    device = torch.device(device)
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass(kw_only=True)
@@ -117,11 +129,11 @@ class LossInputs:
         """Concatenate a micro-batch's per-sequence fields with the engine's per-sequence logprobs."""
         seq_ids = torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(batch.lengths)])
         device = logprobs[0].device
-        cat = lambda xs: None if xs is None else torch.cat(list(xs)).to(device)  # noqa: E731
+        cat = lambda xs: None if xs is None else host_to_device(torch.cat(list(xs)), device)  # noqa: E731
         return cls(
             logprobs=torch.cat(list(logprobs)),
             mask=cat(batch.loss_mask).to(logprobs[0].dtype),
-            seq_ids=seq_ids.to(device),
+            seq_ids=host_to_device(seq_ids, device),
             num_valid_tokens=float(num_valid_tokens),
             num_valid_seqs=float(num_valid_seqs),
             advantages=cat(batch.advantages),
