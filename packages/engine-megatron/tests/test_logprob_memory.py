@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from megatron_testutil import LOSS, make_policy
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from rl_core.losses import ClippedPGLoss
 from rl_core.testing.contracts import random_token_batch
@@ -47,3 +48,41 @@ def test_megatron_logprobs_and_grads_stay_within_the_chunk_at_152k_vocab() -> No
     assert loss == pytest.approx(whole_loss, rel=1e-6)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, whole_grads[name], rtol=1e-3, atol=1e-6, msg=name)
+
+
+class _WholeLogitsReductions(TorchDispatchMode):
+    """Counts ops that reduce a (..., vocab) tensor of more than `rows` rows to a single number."""
+
+    def __init__(self, vocab: int, rows: int) -> None:
+        super().__init__()
+        self.vocab, self.rows, self.count = vocab, rows, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        whole = [a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[-1] == self.vocab
+                 and a.numel() > self.rows * self.vocab]
+        self.count += bool(whole) and isinstance(out, torch.Tensor) and out.dim() == 0
+        return out
+
+
+def _logprob_reductions(rank: int, world: int, path: str, batch) -> tuple:
+    from engine_megatron.engine import MegatronEngine
+
+    engine = MegatronEngine(make_policy(path, precision="bfloat16", logprob_chunk_tokens=CHUNK,
+                                        logprob_batch_size=8, train_micro_batch_size=8))
+    with _WholeLogitsReductions(QWEN_VOCAB, CHUNK) as forward_only:
+        engine.compute_logprobs(batch)
+    with _WholeLogitsReductions(QWEN_VOCAB, CHUNK) as training:
+        engine.forward_backward(batch, ClippedPGLoss(LOSS))
+    return forward_only.count, training.count
+
+
+def test_megatron_compute_logprobs_never_reads_the_whole_logits() -> None:
+    """compute_logprobs hands megatron a zero loss per micro-batch without reading the logits (no backward
+    follows); a training pass's padding micro-batches keep their `logits.sum() * 0` for the backward."""
+    path = str(cached_tiny_checkpoint("qwen2", **SHAPE))
+    batch = random_token_batch(QWEN_VOCAB, [60, 45, 70, 33], seed=0)
+    batch = batch.with_fields(prev_logprobs=[torch.zeros(n) for n in batch.lengths])
+    forward_only, training = run_distributed(_logprob_reductions, 1, args=(path, batch))[0]
+    assert forward_only == 0, forward_only
+    assert training == 0, training  # every micro-batch here carries sequences: the loss reads chunks only

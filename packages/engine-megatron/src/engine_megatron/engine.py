@@ -277,6 +277,8 @@ class MegatronEngine(TrainingEngine):
         if not training:
             if state.loss_fn is None:
                 state.logprobs.append((logprobs.detach(), mb) if mb.weight else None)
+            if not torch.is_grad_enabled():  # forward only: no backward to run, so no need to read the logits
+                return torch.zeros((), dtype=torch.float32, device=logits.device), {}
             # a zero that still runs the backward (and its TP/PP collectives) like every other micro-batch
             return logits.sum().float() * 0.0, {}
         if cp_group is not None:
