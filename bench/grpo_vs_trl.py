@@ -213,7 +213,7 @@ def parse_args() -> argparse.Namespace:
 def our_row(round_: int, engine: str, ours: dict, warmup: int) -> tuple[list, float]:
     steady = [r for r in ours["records"] if r["step"] >= warmup]
     step = statistics.median(r["timing/step_s"] for r in steady)
-    gpu_alloc = max((r.get("train/gpu_peak_allocated_gib", float("nan")) for r in ours["records"]), default=float("nan"))
+    gpu_alloc = max((r.get("train/gpu_allocated_gib_max", float("nan")) for r in ours["records"]), default=float("nan"))
     return [f"{round_}", f"ours (apps/grpo, {engine}, torch rollout)", step, f"{ours['peak']:.0f}",
             f"{ours['pss']:.0f}", f"{gpu_alloc:.2f}", f"{ours['gpu_smi_mib']:.0f}", ours["procs"],
             f"{statistics.mean(r['rollout/gen_len_mean'] for r in ours['records']):.1f}",

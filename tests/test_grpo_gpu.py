@@ -50,7 +50,7 @@ def test_default_run_uses_the_gpu(tmp_path, engine):
     assert resolved["cluster"]["device"] == "cuda" and resolved["generation"]["in_policy_workers"]
     assert resolved["generation"]["backend_kwargs"]["device"] == "cuda"
     assert sorted(steps) == [0, 1, 2]
-    assert all(r["train/gpu_peak_allocated_gib"] > 0 for r in steps.values())
+    assert all(r["train/gpu_allocated_gib_max"] > 0 for r in steps.values())
 
 
 def mismatch(tmp_path, engine: str) -> float:

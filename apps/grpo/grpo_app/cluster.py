@@ -25,6 +25,7 @@ from rl_core.batch import TokenBatch
 from rl_core.config import ConfigError
 from rl_core.distributed import free_port
 from rl_core.interfaces import Completion, RewardRequest, RewardResult, SamplingParams
+from rl_core.metrics import combine_optimizer_steps
 from rollout.environments import check_reward_failures, create_environment
 from seqpack import balance_partitions
 
@@ -233,8 +234,7 @@ class Workers:
             results = ray.get([w.train.remote(part.select(shards[dp]), loss_fn)
                                for w, (dp, _) in zip(self.policy, self.dp_layout)])
             steps.append(results[0])  # metrics are already reduced over DP inside the engine
-        merged = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
-        return merged
+        return combine_optimizer_steps(steps)
 
     def save_checkpoint(self, path: str) -> None:
         ray.get([w.save_checkpoint.remote(path) for w in self.policy])

@@ -38,6 +38,7 @@ class GRPOSettings:
     seed: int = 42
     normalize_std: bool = True
     leave_one_out: bool = False
+    batch_normalize: bool = False  # REINFORCE++: whiten the advantages over the whole batch (with normalize_std=false)
     advantage_clip: float | None = None
     dynamic_sampling: bool = False  # DAPO: drop zero-variance groups and refill from new prompts
     max_dynamic_sampling_rounds: int = 4

@@ -144,7 +144,8 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
     prompts, completions, rewards, results = sample_groups(run, step, timer)
     group_ids = torch.tensor([c.prompt_index for c in completions])
     advantages = grpo_advantages(rewards, group_ids, normalize_std=cfg.grpo.normalize_std,
-                                 leave_one_out=cfg.grpo.leave_one_out, clip=cfg.grpo.advantage_clip)
+                                 leave_one_out=cfg.grpo.leave_one_out, batch_normalize=cfg.grpo.batch_normalize,
+                                 clip=cfg.grpo.advantage_clip)
     batch = build_batch(prompts, completions, advantages, cfg.grpo.overlong_filtering)
     with timer("logprobs"):
         if not on_policy(run.cfg, len(batch)):  # on-policy, the loss takes prev from its own forward

@@ -102,7 +102,7 @@ class PolicyWorker(GeneratorHost):
     def train(self, batch: Any, loss_fn: Any) -> dict[str, float]:
         metrics = self.engine.train_batch(batch, loss_fn)
         if torch.cuda.is_available():  # this process's peak so far: training, and generation when in-process
-            metrics["gpu_peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            metrics["gpu_allocated_gib_max"] = torch.cuda.max_memory_allocated() / 2**30
         return metrics
 
     def save_checkpoint(self, path: str) -> None:

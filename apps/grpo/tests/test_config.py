@@ -54,6 +54,9 @@ def test_cross_field_checks(tmp_path):
                     hardware=Hardware(cuda_available=True, bf16_supported=True, num_gpus=1))
     with pytest.raises(ConfigError, match=r"env.num_workers must be >= 0"):
         load_config(path, ["env.num_workers=-1"])
+    # checked even with importance sampling off: the loss reports the IS metrics within these bounds
+    with pytest.raises(ConfigError, match=r"loss.importance needs 0 <= low <= high; got low=3.0, high=2.0"):
+        load_config(path, ["loss.importance.low=3.0"])
 
 
 def test_defaults_cycle_and_missing_file(tmp_path):

@@ -42,8 +42,8 @@ group_batches = st.lists(
 
 
 @settings(max_examples=150, deadline=None)
-@given(batch=group_batches, normalize_std=st.booleans(), leave_one_out=st.booleans())
-def test_grpo_advantages_match_reference(batch, normalize_std, leave_one_out):
+@given(batch=group_batches, normalize_std=st.booleans(), leave_one_out=st.booleans(), batch_normalize=st.booleans())
+def test_grpo_advantages_match_reference(batch, normalize_std, leave_one_out, batch_normalize):
     groups = [g for g, _ in batch]
     rewards = [r for _, r in batch]
     got = grpo_advantages(
@@ -51,9 +51,14 @@ def test_grpo_advantages_match_reference(batch, normalize_std, leave_one_out):
         torch.tensor(groups),
         normalize_std=normalize_std,
         leave_one_out=leave_one_out,
+        batch_normalize=batch_normalize,
         eps=EPS,
     )
     want = reference(rewards, groups, normalize_std, leave_one_out)
+    if batch_normalize:  # REINFORCE++: whiten over the whole batch
+        mean = statistics.fmean(want)
+        std = statistics.stdev(want) if len(want) > 1 else 0.0
+        want = [(a - mean) / (std + EPS) for a in want]
     assert got.tolist() == pytest.approx(want, abs=1e-9)
 
 
@@ -85,6 +90,15 @@ def test_reinforce_pp_whitens_over_batch():
     std = statistics.stdev(centred)
     want = [(x - mean) / (std + 1e-6) for x in centred]
     assert reinforce_pp_advantages(rewards, groups).tolist() == pytest.approx(want)
+
+
+def test_batch_normalize_comes_before_the_clip():
+    rewards = torch.tensor([0.0, 0.0, 0.0, 10.0, 1.0, 3.0], dtype=torch.float64)
+    groups = torch.tensor([0, 0, 0, 0, 1, 1])
+    adv = grpo_advantages(rewards, groups, normalize_std=False, batch_normalize=True, clip=1.0)
+    centred = [-2.5, -2.5, -2.5, 7.5, -1.0, 1.0]
+    mean, std = statistics.fmean(centred), statistics.stdev(centred)
+    assert adv.tolist() == pytest.approx([max(-1.0, min(1.0, (x - mean) / (std + EPS))) for x in centred])
 
 
 def test_mismatched_shapes_raise():

@@ -10,7 +10,7 @@ import torch
 
 from rl_core.config import ConfigError, PolicyConfig, parse_config
 from rl_core.losses import LossConfig
-from rl_core.metrics import all_reduce_metrics, combine_metrics
+from rl_core.metrics import all_reduce_metrics, combine_metrics, combine_optimizer_steps
 from rl_core.registry import ENGINES, Registry, create_engine, register_engine
 from rl_core.testing.distributed import CUDA_BACKEND, run_distributed
 
@@ -115,6 +115,18 @@ def test_combine_metrics_sums_and_extremes():
     parts = [{"loss": 1.0, "ratio_min": 0.9, "ratio_max": 1.1}, {"loss": torch.tensor(2.0), "ratio_min": 0.8,
                                                                   "ratio_max": 1.05}]
     assert combine_metrics(parts) == {"loss": 3.0, "ratio_min": 0.8, "ratio_max": 1.1}
+
+
+def test_optimizer_steps_average_means_add_counts_and_keep_extremes():
+    """A GRPO step of two optimizer steps: one with 3 non-finite tokens (skipped), one clean."""
+    steps = [{"loss": 1.0, "grad_norm": 2.0, "ratio_min": 0.5, "ratio_max": 5.0, "nonfinite_logprob_tokens": 3.0,
+              "skipped": 1.0, "num_micro_batches": 4.0, "gpu_allocated_gib_max": 7.0},
+             {"loss": 3.0, "grad_norm": 4.0, "ratio_min": 0.9, "ratio_max": 1.1, "nonfinite_logprob_tokens": 0.0,
+              "skipped": 0.0, "num_micro_batches": 4.0, "gpu_allocated_gib_max": 6.5}]
+    assert combine_optimizer_steps(steps) == {
+        "loss": 2.0, "grad_norm": 3.0, "ratio_min": 0.5, "ratio_max": 5.0, "nonfinite_logprob_tokens": 3.0,
+        "skipped": 1.0, "num_micro_batches": 8.0, "gpu_allocated_gib_max": 7.0}
+    assert combine_optimizer_steps(steps[1:]) == steps[1]
 
 
 def _reduce_on_rank(rank, world_size):

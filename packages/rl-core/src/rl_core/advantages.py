@@ -3,11 +3,13 @@
 Choices, stated once:
 - GRPO baseline is the group mean, or with `leave_one_out` the mean of the *other* members (RLOO).
 - The std used by `normalize_std` is Bessel-corrected: over the group, or with `leave_one_out` over the
-  other members. Division happens only where that std is > 0, so a group whose members all got the
-  same reward keeps advantage 0 instead of blowing up by 1/eps.
+  other members. Division (by std + eps, eps = 1e-6 as in NeMo-RL and verl) happens only where that std
+  is > 0, so a group whose members all got the same reward keeps advantage 0 instead of blowing up by 1/eps.
 - A group of one has no baseline: its advantage is 0.
 - Dr.GRPO is `normalize_std=False`; RLOO is `leave_one_out=True, normalize_std=False`.
-- REINFORCE++ subtracts the group mean (if groups are given) and then whitens over the whole batch.
+- `batch_normalize` whitens the result over the whole batch (mean 0, std 1), REINFORCE++ style;
+  REINFORCE++ with a group baseline is `normalize_std=False, batch_normalize=True`.
+- `clip` applies last.
 All inputs are 1-D per-sample tensors (N,); outputs are (N,) in the rewards' dtype.
 """
 
@@ -35,10 +37,12 @@ def grpo_advantages(
     *,
     normalize_std: bool = True,
     leave_one_out: bool = False,
+    batch_normalize: bool = False,
     eps: float = 1e-6,
     clip: float | None = None,
 ) -> Tensor:
-    """GRPO advantages (N,): reward minus group baseline, optionally over the group std, optionally clipped."""
+    """GRPO advantages (N,): reward minus group baseline, optionally over the group std, optionally whitened
+    over the batch, optionally clipped."""
     if rewards.dim() != 1 or group_ids.shape != rewards.shape:
         raise ValueError(
             f"rewards and group_ids must be 1-D of equal length; got {tuple(rewards.shape)} and "
@@ -70,6 +74,8 @@ def grpo_advantages(
         adv = torch.where((count >= 2) & ~constant & (std > 0), adv / (std + eps), adv)
     adv = adv[row, col]
     adv = torch.where(sizes[row] > 1, adv, torch.zeros_like(adv))
+    if batch_normalize:
+        adv = batch_whiten(adv, eps)
     if clip is not None:
         adv = adv.clamp(-clip, clip)
     return adv
@@ -80,11 +86,15 @@ def rloo_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
     return grpo_advantages(rewards, group_ids, normalize_std=False, leave_one_out=True)
 
 
-def reinforce_pp_advantages(rewards: Tensor, group_ids: Tensor | None = None, *, eps: float = 1e-6) -> Tensor:
-    """REINFORCE++: optional group-mean baseline, then batch whitening (mean 0, std 1 over the batch)."""
-    adv = rewards
-    if group_ids is not None:
-        adv = grpo_advantages(rewards, group_ids, normalize_std=False)
+def batch_whiten(adv: Tensor, eps: float = 1e-6) -> Tensor:
+    """Mean 0 and (Bessel) std 1 over the whole batch; a batch of one is only centred."""
     if adv.numel() < 2:
         return adv - adv.mean()
     return (adv - adv.mean()) / (adv.std() + eps)
+
+
+def reinforce_pp_advantages(rewards: Tensor, group_ids: Tensor | None = None, *, eps: float = 1e-6) -> Tensor:
+    """REINFORCE++: optional group-mean baseline, then batch whitening (mean 0, std 1 over the batch)."""
+    if group_ids is None:
+        return batch_whiten(rewards, eps)
+    return grpo_advantages(rewards, group_ids, normalize_std=False, batch_normalize=True, eps=eps)

@@ -152,6 +152,10 @@ class ImportanceConfig:
     low: float = 0.0
     high: float = 2.0
 
+    def __post_init__(self) -> None:
+        if not 0 <= self.low <= self.high:  # checked even when disabled: the IS metrics use the bounds too
+            raise ConfigError(f"loss.importance needs 0 <= low <= high; got low={self.low}, high={self.high}")
+
 
 @dataclass(kw_only=True)
 class LossConfig:

@@ -3,11 +3,14 @@
 One rule for every engine: a loss returns each metric already divided by the *global* normaliser
 (tokens or sequences of the whole global batch), so metrics are summed over micro-batches and DP
 ranks. Keys ending in `_min` or `_max` are reduced with min / max instead.
+
+Over the optimizer steps of one GRPO step (`combine_optimizer_steps`) the means (losses, fractions, grad norm,
+lr) are averaged, the counts in `COUNT_KEYS` add up and `_min` / `_max` keys stay extremes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,6 +36,24 @@ def combine_metrics(parts: Iterable[Mapping[str, Tensor | float]]) -> dict[str, 
                 continue
             op = _reduce_op(key)
             out[key] = min(out[key], value) if op == "min" else max(out[key], value) if op == "max" else out[key] + value
+    return out
+
+
+# Metrics that count things (tokens, micro-batches, skipped optimizer steps): summed over optimizer steps.
+COUNT_KEYS = frozenset({"nonfinite_logprob_tokens", "num_micro_batches", "skipped"})
+
+
+def combine_optimizer_steps(steps: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """One GRPO step's metrics from those of its optimizer steps (each already reduced over micro-batches
+    and DP ranks by `combine_metrics` / `all_reduce_metrics`)."""
+    out: dict[str, float] = {}
+    for key in steps[0]:
+        values = [float(step[key]) for step in steps]
+        op = _reduce_op(key)
+        if op != "sum":
+            out[key] = min(values) if op == "min" else max(values)
+        else:
+            out[key] = sum(values) if key in COUNT_KEYS else sum(values) / len(values)
     return out
 
 
