@@ -21,20 +21,20 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {
     "rl-core": ("rl_core", ROOT / "packages/rl-core"),
-    "seqpack": ("seqpack", ROOT / "packages/seqpack"),
+    "rl-seqpack": ("seqpack", ROOT / "packages/seqpack"),
     "engine-dtensor": ("engine_dtensor", ROOT / "packages/engine-dtensor"),
     "engine-megatron": ("engine_megatron", ROOT / "packages/engine-megatron"),
     "ckpt-convert": ("ckpt_convert", ROOT / "packages/ckpt-convert"),
-    "rollout": ("rollout", ROOT / "packages/rollout"),
+    "rl-rollout": ("rollout", ROOT / "packages/rollout"),
 }
 OURS = {module: dist for dist, (module, _) in PACKAGES.items()} | {"grpo_app": "grpo-app"}
 ALLOWED = {
     "rl-core": set(),
-    "seqpack": set(),
+    "rl-seqpack": set(),
     "ckpt-convert": {"rl-core"},  # rl_core.checkpoint_io: atomic output, manifest check before DCP reads
-    "rollout": {"rl-core", "seqpack"},  # seqpack.attention: packed prefill
-    "engine-dtensor": {"rl-core", "seqpack"},
-    "engine-megatron": {"rl-core", "seqpack", "ckpt-convert"},
+    "rl-rollout": {"rl-core", "rl-seqpack"},  # seqpack.attention: packed prefill
+    "engine-dtensor": {"rl-core", "rl-seqpack"},
+    "engine-megatron": {"rl-core", "rl-seqpack", "ckpt-convert"},
 }
 # import name -> distribution name, where they differ
 DIST_OF = {"megatron": "megatron-core", "yaml": "pyyaml", "math_verify": "math-verify", "google": "protobuf"}

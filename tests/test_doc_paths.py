@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# a repository path such as apps/grpo/configs/gpu_1x.yaml or scripts/test.sh, not part of a longer path or URL
+# a repository path such as apps/grpo/grpo_app/configs/gpu_1x.yaml or scripts/test.sh, not part of a longer path or URL
 PATH = re.compile(r"(?<![\w./-])((?:apps|packages|bench|scripts|tests|\.ci)/[\w./-]+\.(?:yaml|py|sh|md|toml))")
 
 

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-GPU_1X = ROOT / "apps/grpo/configs/gpu_1x.yaml"
+GPU_1X = ROOT / "apps/grpo/grpo_app/configs/gpu_1x.yaml"
 FEW_STEPS = ["grpo.max_steps=3", "grpo.val_every=0", "checkpointing.enabled=false", "logger.plot=false",
              "logger.tensorboard=false", "logger.progress_bar=false"]
 

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DISTS = ["rl-core", "seqpack", "engine-dtensor", "engine-megatron", "ckpt-convert", "rollout", "grpo-app"]
+DISTS = ["rl-core", "rl-seqpack", "engine-dtensor", "engine-megatron", "ckpt-convert", "rl-rollout", "grpo-app"]
+MODULES = {"rl-seqpack": "seqpack", "rl-rollout": "rollout"}  # "seqpack" and "rollout" on PyPI are other projects
 UV = shutil.which("uv")
 
 pytestmark = pytest.mark.skipif(UV is None, reason="needs uv on PATH")
@@ -34,10 +35,13 @@ def wheel_dir(tmp_path_factory) -> Path:
 
 def test_every_package_builds_a_wheel_with_its_module(wheel_dir):
     for dist in DISTS:
-        module = dist.replace("-", "_") if dist != "grpo-app" else "grpo_app"
+        module = MODULES.get(dist, dist.replace("-", "_"))
         [wheel] = wheel_dir.glob(f"{dist.replace('-', '_')}-0.1.0-*.whl")
         names = zipfile.ZipFile(wheel).namelist()
         assert f"{module}/__init__.py" in names, f"{wheel.name} lacks {module}/__init__.py"
+        assert f"{module}/py.typed" in names, f"{wheel.name} lacks {module}/py.typed"
+    [app] = wheel_dir.glob("grpo_app-0.1.0-*.whl")
+    assert "grpo_app/configs/cpu_default.yaml" in zipfile.ZipFile(app).namelist()  # `grpo` needs its configs
 
 
 def _install_and_import(wheel_dir: Path, venv: Path, requirements: list[str], code: str) -> str:
@@ -60,7 +64,7 @@ def test_rl_core_installs_alone(wheel_dir, tmp_path):
         "loss, _ = clipped_pg_loss(lp, lp, torch.ones(3), torch.ones(3), torch.zeros(3, dtype=torch.long),"
         " num_valid_tokens=3, num_valid_seqs=1)\n"
         "names = sorted(d.metadata['Name'] for d in md.distributions())\n"
-        "print(float(loss), 'transformers' in names, 'seqpack' in names)\n"
+        "print(float(loss), 'transformers' in names, 'rl-seqpack' in names)\n"
     )
     assert _install_and_import(wheel_dir, tmp_path / "venv", ["rl-core"], code).split() == ["-1.0", "False", "False"]
 

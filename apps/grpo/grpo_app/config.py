@@ -22,7 +22,7 @@ from rl_core.config import ConfigError, PolicyConfig, parse_config, unknown_key_
 from rl_core.losses import LossConfig
 
 logger = logging.getLogger(__name__)
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"  # inside the package: the wheel ships them
 DEFAULT_CONFIG = CONFIG_DIR / "cpu_default.yaml"
 
 
@@ -187,6 +187,15 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def shipped_or_path(path: str | Path) -> Path:
+    """`--config`: a file, or the name of a shipped config (`gpu_1x` or `gpu_1x.yaml`) where no such file is."""
+    path = Path(path)
+    if path.is_file() or path.parent != Path("."):
+        return path
+    shipped = CONFIG_DIR / (path.name if path.suffix == ".yaml" else f"{path.name}.yaml")
+    return shipped if shipped.is_file() else path
+
+
 def load_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
     """Read a YAML config, resolving `defaults: other.yaml` (relative to the file) recursively."""
     path = Path(path).resolve()
@@ -249,7 +258,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (),
     `auto` resolved for `hardware` (default: this machine's) and the refit layout checked."""
     from grpo_app.refit import refit_path
 
-    data = load_yaml(path or DEFAULT_CONFIG)
+    data = load_yaml(shipped_or_path(path) if path else DEFAULT_CONFIG)
     file_env = copy.deepcopy(data.get("env")) if isinstance(data.get("env"), dict) else {}
     for assignment in overrides:
         apply_override(data, assignment)

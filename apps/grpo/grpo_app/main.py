@@ -24,7 +24,7 @@ logger = logging.getLogger("grpo")
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="uv run apps/grpo", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", help="YAML config (default: apps/grpo/configs/cpu_default.yaml)")
+    parser.add_argument("--config", help="YAML config file, or the name of a shipped one (e.g. gpu_1x; default: cpu_default)")
     parser.add_argument("--log-level", default="INFO", help="Python logging level")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. grpo.max_steps=5")
     return parser.parse_args(argv)

@@ -68,6 +68,18 @@ def test_defaults_cycle_and_missing_file(tmp_path):
         load_yaml(tmp_path / "missing.yaml")
 
 
+def test_config_by_shipped_name(tmp_path, monkeypatch):
+    """`--config gpu_1x` (or gpu_1x.yaml) is the shipped recipe where no such file exists; a file wins."""
+    monkeypatch.chdir(tmp_path)
+    shipped = load_config(CONFIG_DIR / "cpu_megatron.yaml")
+    assert load_config("cpu_megatron") == shipped == load_config("cpu_megatron.yaml")
+    assert shipped.policy.engine_name == "megatron"
+    write(tmp_path / "cpu_megatron.yaml", "defaults: " + str(CONFIG_DIR / "cpu_default.yaml") + "\n")
+    assert load_config("cpu_megatron.yaml").policy.engine_name == "dtensor"
+    with pytest.raises(ConfigError, match=r"nope does not exist \(--config\); shipped configs: \[.*'gpu_1x.yaml'"):
+        load_config("nope")
+
+
 def test_override_syntax_errors():
     with pytest.raises(ConfigError, match="dotted.key=value"):
         apply_override({}, "grpo.max_steps")

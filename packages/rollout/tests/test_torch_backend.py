@@ -172,7 +172,7 @@ def test_backends_are_found_through_the_registry(tiny_ckpt):
     backend = create_generation_backend("torch", model_path=str(tiny_ckpt))
     assert isinstance(backend, TorchGenerationBackend)
     if importlib.util.find_spec("vllm") is None:  # the uv workspace: vllm is an optional extra
-        with pytest.raises(ImportError, match=r"pip install 'rollout\[vllm\]'"):
+        with pytest.raises(ImportError, match=r"pip install 'rl-rollout\[vllm\]'"):
             create_generation_backend("vllm", model_path=str(tiny_ckpt))
 
 

