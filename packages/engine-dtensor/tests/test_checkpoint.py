@@ -94,7 +94,9 @@ def test_exported_weights_give_identical_hf_logits(ckpt, tmp_path) -> None:
 
 
 def _contract(rank: int, world: int, path: str, overrides: dict, shared_dir: str) -> None:
-    check_training_engine(lambda: DTensorEngine(make_policy(path, **overrides)), VOCAB, checkpoint_dir=shared_dir)
+    warmup = {"warmup_steps": 4, "decay": "constant"}  # the lr moves every step: a restored schedule shows
+    check_training_engine(lambda: DTensorEngine(make_policy(path, scheduler=warmup, **overrides)), VOCAB,
+                          checkpoint_dir=shared_dir)
 
 
 @pytest.mark.parametrize(

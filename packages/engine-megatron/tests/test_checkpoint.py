@@ -77,7 +77,8 @@ def test_save_load_continue_is_bitwise(tiny_ckpt, tmp_path: Path, arch: str, wor
 def _contract(rank: int, world_size: int, ckpt: str, megatron_cfg: dict) -> bool:
     from engine_megatron.engine import MegatronEngine
 
-    check_training_engine(lambda: MegatronEngine(make_policy(ckpt, megatron_cfg)), VOCAB)
+    warmup = {"warmup_steps": 4, "decay": "constant"}  # the lr moves every step: a restored schedule shows
+    check_training_engine(lambda: MegatronEngine(make_policy(ckpt, megatron_cfg, scheduler=warmup)), VOCAB)
     return True
 
 

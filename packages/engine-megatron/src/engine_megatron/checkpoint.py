@@ -139,6 +139,7 @@ def load(path: str, model: Any, optimizer: Any, scheduler: Any) -> None:
         raise ValueError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
     with torch.no_grad(), device_context():
         optimizer.load_state_dict(state["optimizer"])
+    scheduler.num_steps = 0  # megatron's load_state_dict adds the saved step count to the current one
     scheduler.load_state_dict(state["scheduler"])
     rng_file = Path(path, f"rng_rank{dist.get_rank()}.pt")
     if rng_file.exists():

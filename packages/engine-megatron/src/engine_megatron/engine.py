@@ -154,9 +154,12 @@ class MegatronEngine(TrainingEngine):
             return self.compute_logprobs(batch)
 
     def optimizer_step(self) -> dict[str, float]:
-        """Clip (policy.max_grad_norm), step, advance the lr schedule; skip when the grad norm is not finite."""
+        """Clip (policy.max_grad_norm), step, advance the lr schedule; skip when the grad norm is not finite.
+        The gradients are consumed either way (zeroed)."""
         with device_context():
-            return optimizer_step(self.optimizer, self.scheduler, self.policy.max_grad_norm)
+            metrics = optimizer_step(self.optimizer, self.scheduler, self.policy.max_grad_norm)
+        self.zero_grad()
+        return metrics
 
     def zero_grad(self) -> None:
         self.model.zero_grad_buffer()

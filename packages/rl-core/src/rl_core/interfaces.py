@@ -37,7 +37,8 @@ class TrainingEngine(Protocol):
 
     @abstractmethod
     def optimizer_step(self) -> dict[str, float]:
-        """Clip grads, step optimizer and scheduler; skip the step if the grad norm is not finite."""
+        """Clip grads, step optimizer and scheduler; skip the step if the grad norm is not finite. Either way
+        the gradients are consumed: the next forward_backward starts from zero (no zero_grad needed)."""
 
     @abstractmethod
     def zero_grad(self) -> None:

@@ -43,8 +43,9 @@ def shared_temp_dir() -> str:
 
 def check_training_engine(make_engine: Callable[[], TrainingEngine], vocab_size: int,
                           checkpoint_dir: str | None = None) -> None:
-    """Shapes, determinism, training moves logprobs, forward_only leaves weights alone, checkpoints restore,
-    save_hf writes a model transformers loads.
+    """Shapes, determinism, training moves logprobs, forward_only leaves weights alone, checkpoints restore
+    in the same process (weights, optimizer, lr schedule: give `make_engine` a warmup so the lr moves),
+    optimizer_step consumes the gradients, save_hf writes a model transformers loads.
 
     Under torch.distributed every rank calls this; `checkpoint_dir` (default: a shared temp dir) must be
     the same path on all ranks.
@@ -74,12 +75,23 @@ def check_training_engine(make_engine: Callable[[], TrainingEngine], vocab_size:
             assert key in metrics and math.isfinite(metrics[key]), f"train_batch metrics lack a finite {key!r}"
         trained = engine.compute_logprobs(batch)
         assert any(not torch.equal(a, b) for a, b in zip(logprobs, trained)), "train_batch changed nothing"
-        engine.load_checkpoint(ckpt + "/step")
+        engine.load_checkpoint(ckpt + "/step")  # in the same process: nothing of the trained state may stay
         restored = engine.compute_logprobs(batch)
         assert all(torch.equal(a, b) for a, b in zip(logprobs, restored)), "load_checkpoint did not restore"
-        engine.train_batch(batch, loss_fn)
+        resumed = engine.train_batch(batch, loss_fn)
+        assert resumed["lr"] == metrics["lr"], f"lr schedule not restored: {resumed['lr']} != {metrics['lr']}"
         retrained = engine.compute_logprobs(batch)
         assert all(torch.equal(a, b) for a, b in zip(trained, retrained)), "resumed step differs"
+        # optimizer_step consumes the gradients: forward_backward + optimizer_step twice == train_batch twice
+        for _ in range(2):
+            engine.forward_backward(batch, loss_fn)
+            engine.optimizer_step()
+        stepped = engine.compute_logprobs(batch)
+        engine.load_checkpoint(ckpt + "/step")
+        for _ in range(3):
+            engine.train_batch(batch, loss_fn)
+        retrained = engine.compute_logprobs(batch)
+        assert all(torch.equal(a, b) for a, b in zip(stepped, retrained)), "optimizer_step left gradients behind"
     finally:
         if dist.is_initialized():
             dist.barrier()
