@@ -79,6 +79,28 @@ def test_tied_embedding_stays_tied_after_materialize(sharded_ckpts: dict) -> Non
     _assert_bitwise({n: t for n, t in [*model.named_parameters(), *model.named_buffers()]}, _plain_state(path))
 
 
+def _exported(rank: int, world: int, path: str) -> dict | None:
+    engine = DTensorEngine(make_policy(path))
+    out = {}
+    for name, tensor in engine.export_hf_weights():
+        assert name not in out, f"{name} exported twice"
+        out[name] = tensor.clone()
+    return out if rank == 0 else None
+
+
+@pytest.mark.distributed
+def test_tied_embedding_is_exported_once(sharded_ckpts: dict) -> None:
+    """Export (refit's source) yields what the HF checkpoint holds: the tied embedding once, not as lm_head too."""
+    from safetensors.torch import load_file
+
+    path = sharded_ckpts["llama_tied"]
+    stored = {k: v for f in sorted(Path(path).glob("*.safetensors")) for k, v in load_file(f).items()}
+    exported = run_distributed(_exported, 2, args=(path,))[0]
+    assert "lm_head.weight" not in stored and exported.keys() == stored.keys()
+    for name, tensor in stored.items():
+        assert torch.equal(exported[name], tensor), name
+
+
 def test_checkpoint_without_a_tensor_names_it(tmp_path) -> None:
     from safetensors.torch import load_file, save_file
 

@@ -102,7 +102,9 @@ def export_hf_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
     """Full tensors under HF checkpoint names, one all-gather at a time; every rank must consume it."""
     to_checkpoint = _to_checkpoint_layout(model)
     seen: set[int] = set()
-    for name, tensor in model.state_dict().items():
+    # keep_vars: the parameters themselves (a plain state_dict detaches each entry into a new object, so a
+    # tied weight would pass the identity check twice and refit would send it twice)
+    for name, tensor in model.state_dict(keep_vars=True).items():
         if id(tensor) in seen:  # tied weights: one name per storage, HF re-ties them
             continue
         seen.add(id(tensor))
