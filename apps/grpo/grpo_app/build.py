@@ -12,6 +12,7 @@ from grpo_app.config import GRPOConfig
 from grpo_app.loop import Run
 from grpo_app.metrics_sink import MetricsSink
 from grpo_app.prompts import PromptSource
+from rl_core.checkpoint_io import CheckpointError
 from rl_core.losses import ClippedPGLoss
 from rollout.datasets import PromptExample, build_examples, load_prompt_dataset
 from rollout.environments import toy_prompts
@@ -71,6 +72,10 @@ def find_resume_point(cfg: GRPOConfig) -> ResumePoint | None:
     point = checkpoints.newest_intact() if checkpoints is not None else None
     if point is not None:
         check_identity(point, run_identity(cfg), allow_change=cfg.checkpointing.allow_config_change)
+        if point.step > cfg.grpo.max_steps:  # resuming would rewrite the run's logs and train nothing
+            raise CheckpointError(f"{point.path} is at step {point.step}, past grpo.max_steps={cfg.grpo.max_steps}: "
+                                  f"set grpo.max_steps >= {point.step} to continue this run, or a new "
+                                  "logger.log_dir to start another")
     return point
 
 

@@ -45,6 +45,8 @@ class GRPOSettings:
     overlong_filtering: bool = False
 
     def __post_init__(self) -> None:
+        if self.advantage_clip is not None and self.advantage_clip <= 0:
+            raise ConfigError(f"grpo.advantage_clip must be > 0, or null for no clipping; got {self.advantage_clip}")
         if self.num_generations_per_prompt < 2:
             raise ConfigError(
                 f"grpo.num_generations_per_prompt must be >= 2 for a group baseline; got "
@@ -220,6 +222,9 @@ def load_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
     parents = data.pop("defaults", None)
     merged: dict = {}
     for parent in [parents] if isinstance(parents, str) else parents or []:
+        if not (path.parent / parent).is_file():
+            raise ConfigError(f"{path}: 'defaults: {parent}' names no file ({path.parent / parent}); paths are "
+                              "relative to the file that names them")
         merged = _merge(merged, load_yaml(path.parent / parent, (*_seen, path)))
     return _merge(merged, data)
 

@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 
 AUTO = "auto"
 DEVICES = ("auto", "cpu", "cuda")
+NO_LOCAL_GPU = ("cluster.device=cuda but this machine has no usable CUDA GPU (torch.cuda.is_available() is False): "
+                "set cluster.device=cpu and cluster.gpus_per_node=0, or cluster.address to join a GPU cluster")
 # Backends that take `device` (vLLM picks its device from its platform and the visible GPUs).
 BACKENDS_WITH_DEVICE_KWARG = ("torch",)
 
@@ -76,6 +78,8 @@ def resolve_device(cluster: dict, hw: Hardware) -> str:
         if not local:
             raise ConfigError("cluster.device=cuda on a cluster (cluster.address set): set cluster.gpus_per_node "
                               "to the GPUs per node; the driver cannot see the workers' GPUs")
+        if hw.num_gpus == 0:  # said here: the placement checks that follow would blame the layout
+            raise ConfigError(NO_LOCAL_GPU)
         cluster["gpus_per_node"] = hw.num_gpus
     return device
 
@@ -88,9 +92,7 @@ def check_hardware(cluster: Any, hw: Hardware) -> None:
         raise ConfigError(f"cluster.num_nodes={cluster.num_nodes} needs a Ray cluster: start one (apps/grpo/GPU.md) "
                           "and set cluster.address=auto, or set cluster.num_nodes=1")
     if cluster.device == "cuda" and not hw.cuda_available:
-        raise ConfigError("cluster.device=cuda but this machine has no usable CUDA GPU (torch.cuda.is_available() "
-                          "is False): set cluster.device=cpu and cluster.gpus_per_node=0, or cluster.address to join "
-                          "a GPU cluster")
+        raise ConfigError(NO_LOCAL_GPU)
     if cluster.gpus_per_node > hw.num_gpus:
         raise ConfigError(f"cluster.gpus_per_node={cluster.gpus_per_node} but this machine has {hw.num_gpus} GPU(s): "
                           f"set cluster.gpus_per_node<={hw.num_gpus} (and cluster.train_world_size to fit)")

@@ -54,6 +54,14 @@ def test_cross_field_checks(tmp_path):
                     hardware=Hardware(cuda_available=True, bf16_supported=True, num_gpus=1))
     with pytest.raises(ConfigError, match=r"env.num_workers must be >= 0"):
         load_config(path, ["env.num_workers=-1"])
+    for bad, key in [("policy.max_grad_norm=0", "policy.max_grad_norm must be > 0, or null"),
+                     ("policy.max_grad_norm=-1", "policy.max_grad_norm must be > 0, or null"),
+                     ("loss.kl_coef=-0.1", "loss.kl_coef must be >= 0"),
+                     ("grpo.advantage_clip=0", "grpo.advantage_clip must be > 0, or null"),
+                     ("policy.dynamic_batching.enabled=true", "sequence_packing.enabled and policy.dynamic_batching"
+                                                              ".enabled are exclusive")]:
+        with pytest.raises(ConfigError, match=key):
+            load_config(path, ["policy.sequence_packing.enabled=true", bad])
     # checked even with importance sampling off: the loss reports the IS metrics within these bounds
     with pytest.raises(ConfigError, match=r"loss.importance needs 0 <= low <= high; got low=3.0, high=2.0"):
         load_config(path, ["loss.importance.low=3.0"])
@@ -66,6 +74,9 @@ def test_defaults_cycle_and_missing_file(tmp_path):
         load_yaml(tmp_path / "a.yaml")
     with pytest.raises(ConfigError, match="does not exist"):
         load_yaml(tmp_path / "missing.yaml")
+    child = write(tmp_path / "child.yaml", "defaults: gone.yaml\n")
+    with pytest.raises(ConfigError, match=rf"{child}: 'defaults: gone.yaml' names no file"):
+        load_yaml(child)
 
 
 def test_config_by_shipped_name(tmp_path, monkeypatch):

@@ -143,6 +143,12 @@ def test_local_run_asks_for_no_more_than_the_machine_has(hardware, overrides, me
     check_hardware(joined.cluster, NO_GPU)  # a cluster's GPUs are Ray's to count, not the driver's
 
 
+def test_cuda_without_a_gpu_says_so_before_the_layout_checks():
+    """`cluster.device=cuda` with the GPU count left to the machine: the missing GPU is the error, not the layout."""
+    with pytest.raises(ConfigError, match="no usable CUDA GPU"):
+        load_config(None, ["cluster.device=cuda"], hardware=NO_GPU)
+
+
 def test_gpu_1x_recipe_resolves_to_one_gpu():
     cfg = load_config(CONFIG_DIR / "gpu_1x.yaml", hardware=ONE_GPU)
     assert (cfg.cluster.device, cfg.cluster.gpus_per_node, cfg.cluster.train_world_size) == ("cuda", 1, 1)

@@ -129,6 +129,18 @@ def test_resume_with_changed_model_engine_layout_or_task_is_refused(override):
     check_identity(point, run_identity(config()), allow_change=False)  # unchanged: fine
 
 
+def test_resume_past_max_steps_is_refused(tmp_path):
+    """A finished run restarted with a smaller grpo.max_steps: an error, nothing of the run rewritten."""
+    from grpo_app.build import find_resume_point
+
+    cfg = config(f"logger.log_dir={tmp_path}", "grpo.max_steps=6")
+    manager = CheckpointManager(cfg.checkpoint_dir, keep_top_k=0, metric=None, higher_is_better=True)
+    manager.save(6, fake_engine_save, {"step": 6, "identity": run_identity(cfg)})
+    assert find_resume_point(cfg).step == 6  # max_steps reached: resumes (validates and ends)
+    with pytest.raises(CheckpointError, match=r"at step 6, past grpo.max_steps=5: set grpo.max_steps >= 6"):
+        find_resume_point(config(f"logger.log_dir={tmp_path}", "grpo.max_steps=5"))
+
+
 def test_torn_last_metrics_line_is_dropped_with_a_warning(tmp_path, caplog):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 0, "a": 1.0}\n{"step": 1, "a": 2.0}\n{"step": 2, "a"')

@@ -232,6 +232,12 @@ class PolicyConfig:
                 raise ConfigError(f"policy.{key} must be >= 1; got {getattr(self, key)}")
         if self.temperature <= 0:
             raise ConfigError(f"policy.temperature must be > 0; got {self.temperature}")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ConfigError(f"policy.max_grad_norm must be > 0, or null for no clipping; got {self.max_grad_norm}")
+        if self.sequence_packing.enabled and self.dynamic_batching.enabled:
+            raise ConfigError("policy.sequence_packing.enabled and policy.dynamic_batching.enabled are exclusive "
+                              "(packing already cuts micro-batches by a token budget): set "
+                              "policy.sequence_packing.enabled=false to batch padded rows by tokens")
         switched_on = [name for name in BUILTIN_ENGINE_SECTIONS if self._section(name).get("enabled", False)]
         if self.engine is not None:
             self._check_engine_key(switched_on)
