@@ -8,6 +8,7 @@ only wires them in the order of the algorithm.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import logging
 import math
 import time
@@ -219,6 +220,7 @@ def train(run: Run, start_step: int = 0) -> None:
     def due(step: int) -> bool:
         return bool(cfg.val_every) and (step % cfg.val_every == 0 or step == cfg.max_steps)
 
+    warned_metric = False
     if start_step == cfg.max_steps and cfg.val_every:  # a finished run resumed: the sink dropped its last record
         run.sink.log(start_step, validation(start_step))
     if on_policy(run.cfg, cfg.num_prompts_per_step * cfg.num_generations_per_prompt):
@@ -236,4 +238,9 @@ def train(run: Run, start_step: int = 0) -> None:
         if run.checkpoints is not None and ((step + 1) % ckpt.save_every == 0 or done):
             own_val = validation(step + 1) if due(step + 1) else {}  # no validation of its own: no score
             metric = own_val[ckpt.metric] if ckpt.metric in own_val else step_metrics.get(ckpt.metric)
+            if own_val and metric is None and ckpt.metric and not warned_metric:
+                warned_metric = True  # with a validation at hand every metric exists: the name is wrong
+                near = difflib.get_close_matches(ckpt.metric, [*own_val, *step_metrics], n=1)
+                logger.warning("checkpointing.metric=%r is not a metric of this run%s: keep-top-k keeps the newest "
+                               "checkpoints only", ckpt.metric, f" (did you mean {near[0]!r}?)" if near else "")
             run.checkpoints.save(step + 1, run.workers.save_checkpoint, trainer_state(run, step + 1, metric))

@@ -15,6 +15,8 @@ import inspect
 import logging
 import math
 import socket
+import types
+import typing
 from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
@@ -69,8 +71,12 @@ def check_bounds(cfg: GRPOConfig) -> None:
 
 def check_kwargs(target: Callable[..., Any], kwargs: dict[str, Any], key: str, *, given: Collection[str] = ()) -> None:
     """`kwargs` (config section `key`) fit `target`'s signature: unknown keys name the closest valid one,
-    missing required ones are named; `given` are the arguments the caller passes itself."""
-    params = inspect.signature(target).parameters
+    missing required ones are named, values of plainly annotated parameters (str, int, float, bool, or
+    those or None) have that type; `given` are the arguments the caller passes itself."""
+    try:
+        params = inspect.signature(target, eval_str=True).parameters
+    except (NameError, TypeError, SyntaxError):  # an annotation that does not resolve here: names only
+        params = inspect.signature(target).parameters
     names = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n not in given]
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
         for name in kwargs:
@@ -79,6 +85,22 @@ def check_kwargs(target: Callable[..., Any], kwargs: dict[str, Any], key: str, *
     for name in names:
         if params[name].default is inspect.Parameter.empty and name not in kwargs:
             raise ConfigError(f"{key}.{name} is required by {getattr(target, '__qualname__', target)}; set it")
+        if name in kwargs:
+            _check_plain_type(f"{key}.{name}", kwargs[name], params[name].annotation)
+
+
+PLAIN_TYPES = (str, int, float, bool, type(None))
+
+
+def _check_plain_type(key: str, value: Any, annotation: Any) -> None:
+    allowed = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    if not allowed or not all(t in PLAIN_TYPES for t in allowed):
+        return  # anything richer (lists, dicts, classes) is the callee's to check
+    accepted = set(allowed) | ({int} if float in allowed else set())  # YAML writes 1.0 as 1 too
+    if type(value) not in accepted:
+        names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+        raise ConfigError(f"{key} must be {names}; got {type(value).__name__} {value!r} (quote strings that "
+                          "YAML would read as numbers)")
 
 
 def check_optimizer(optimizer: OptimizerConfig) -> None:
@@ -184,6 +206,7 @@ def resolve_model(cfg: GRPOConfig) -> GRPOConfig:
 def check_environment(cfg: GRPOConfig) -> None:
     """`env.*`: a registered environment whose constructor accepts `env.kwargs`, and prompts to train on."""
     from rollout.environments import environment_factory, environment_names, toy_prompts
+    from rollout.rewards.toy import TOY_TASKS
 
     if cfg.env.name not in environment_names():
         raise ConfigError(f"env.name={cfg.env.name!r} is not known; choose one of {environment_names()}")
@@ -193,13 +216,15 @@ def check_environment(cfg: GRPOConfig) -> None:
         if path is not None and not Path(path).is_file():
             raise ConfigError(f"env.{key}={path!r} does not exist (a local .jsonl or .parquet file)")
     if cfg.env.train_data is None or (cfg.env.val_data is None and cfg.grpo.val_every):
+        if cfg.env.name not in TOY_TASKS:
+            raise ConfigError(f"env.name={cfg.env.name!r} has no built-in prompts; set env.train_data and "
+                              "env.val_data to local prompt files")
+        check_kwargs(TOY_TASKS[cfg.env.name][0], cfg.env.prompt_kwargs, "env.prompt_kwargs",
+                     given=("num", "split", "seed"))
         try:
             toy_prompts(cfg.env.name, 1, **cfg.env.prompt_kwargs)
-        except (ValueError, TypeError) as exc:
-            raise ConfigError(
-                f"env.name={cfg.env.name!r} has no built-in prompts ({exc}); set env.train_data and env.val_data "
-                "to local prompt files"
-            ) from exc
+        except ValueError as exc:
+            raise ConfigError(f"env.prompt_kwargs: {exc}") from exc
 
 
 def preflight(cfg: GRPOConfig) -> GRPOConfig:

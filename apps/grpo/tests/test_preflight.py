@@ -97,6 +97,11 @@ def test_missing_data_file(caplog):
     ("policy.optimizer.kwargs.betas=[0.9,2.0]", "rejected by torch.optim.AdamW: Invalid beta parameter"),
     ("env.kwargs.answer_lenn=3", "unknown config key 'env.kwargs.answer_lenn'; did you mean 'env.kwargs.answer_len'?"),
     ("env.name=function", "env.kwargs.fn is required by FunctionEnvironment"),
+    ("env.kwargs.answer_len=abc", "env.kwargs.answer_len must be int; got str 'abc'"),
+    ("env.prompt_kwargs.charsett=ab", "unknown config key 'env.prompt_kwargs.charsett'; did you mean "
+                                      "'env.prompt_kwargs.charset'?"),
+    ("env.prompt_kwargs.charset=0123", "env.prompt_kwargs.charset must be str; got int 83 (quote strings"),
+    ("env.prompt_kwargs.charset=''", "env.prompt_kwargs: repeat_char charset is empty"),
     ("cluster.address=127.0.0.1:1", "cluster.address='127.0.0.1:1': nothing answers at 127.0.0.1:1"),
     ("cluster.address=nohost", "cluster.address='nohost' is not host:port"),
 ])

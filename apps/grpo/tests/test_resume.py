@@ -219,6 +219,19 @@ def test_each_checkpoint_is_scored_with_its_own_steps_validation(tmp_path, monke
     assert all(math.isfinite(v) for _, v in logged)
 
 
+def test_a_misspelt_checkpoint_metric_is_reported_once(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(loop, "validate", lambda run, step: {"val/reward_mean": step / 10})
+    monkeypatch.setattr(loop, "grpo_step", lambda run, step: {"rollout/reward_mean": 0.0})
+    manager = CheckpointManager(tmp_path / "ckpt", keep_top_k=1, metric="val/reward_meen", higher_is_better=True)
+    run = stub_run(tmp_path, manager, "grpo.max_steps=4", "grpo.val_every=1", "checkpointing.save_every=1",
+                   "checkpointing.metric=val/reward_meen")
+    with caplog.at_level(logging.WARNING):
+        loop.train(run)
+    warnings = [r.getMessage() for r in caplog.records if "checkpointing.metric" in r.getMessage()]
+    assert warnings == ["checkpointing.metric='val/reward_meen' is not a metric of this run (did you mean "
+                        "'val/reward_mean'?): keep-top-k keeps the newest checkpoints only"]
+
+
 def test_resuming_a_finished_run_logs_its_final_validation_again(tmp_path, monkeypatch):
     monkeypatch.setattr(loop, "validate", lambda run, step: {"val/reward_mean": step / 10})
     run = stub_run(tmp_path, None, "grpo.max_steps=4", "grpo.val_every=2")
