@@ -168,3 +168,11 @@ def test_engine_fails_early_on_bad_layout(tiny_ckpt) -> None:
     assert all("world size 2 is not divisible" in o for o in out), out
     seconds = float(out[0].split("|")[0])
     assert seconds < 2.0, f"the config error took {seconds:.1f} s: it must come before the model build"
+
+
+def test_missing_model_names_policy_model_name(tmp_path) -> None:
+    """Before any process group: the key the user wrote, not the converter's CLI flag."""
+    from engine_megatron.engine import MegatronEngine
+
+    with pytest.raises(ValueError, match=r"config.json not found: policy.model_name must be a Hugging Face checkpoint"):
+        MegatronEngine(make_policy(str(tmp_path / "nowhere")))

@@ -111,6 +111,33 @@ def test_registry_entry_points_and_unknown_names():
         missing.get("titan", config_key="policy.engine")
 
 
+def test_one_class_per_name(monkeypatch):
+    """Two packages (or a package and an in-process class) claiming one name is an error naming both,
+    whatever the import order; a broken entry point names its value; an unknown name lists the wheels."""
+    import importlib.metadata as md
+
+    import rl_core.registry as registry
+
+    group = "rl_core.test-engines"
+    points = [md.EntryPoint("twin", "pkg_a.engine:Engine", group), md.EntryPoint("twin", "pkg_b.engine:Engine", group),
+              md.EntryPoint("broken", "rl_core.config:NoSuchEngine", group)]
+    monkeypatch.setattr(registry, "entry_points", lambda group: [p for p in points if p.group == group])
+    engines = Registry("training engine", group, {"titan": "torchtitan-engine"})
+    with pytest.raises(ValueError, match=r"'twin' is provided by two installed packages .*pkg_a.engine:Engine.*"
+                                         r"pkg_b.engine:Engine.*uninstall one"):
+        engines.get("twin", config_key="policy.engine")
+    del points[1]
+    with pytest.raises(ValueError, match=r"'twin' is taken by pkg_a.engine:Engine; register .*Other under another"):
+        engines.register("twin")(type("Other", (), {}))
+    with pytest.raises(ValueError, match=r"'broken' is installed but failed to import.*NoSuchEngine"):
+        engines.get("broken", config_key="policy.engine")
+    with pytest.raises(ValueError, match=r"'nope' is not registered; choose one of \['broken', 'twin'\] \(or "
+                                         r"install torchtitan-engine\)"):
+        engines.get("nope", config_key="policy.engine")
+    first = engines.register("mine")(type("Mine", (), {}))
+    assert engines.register("mine")(first) is first  # the same class again (a re-import) is fine
+
+
 def test_combine_metrics_sums_and_extremes():
     parts = [{"loss": 1.0, "ratio_min": 0.9, "ratio_max": 1.1}, {"loss": torch.tensor(2.0), "ratio_min": 0.8,
                                                                   "ratio_max": 1.05}]

@@ -61,13 +61,14 @@ class MCoreModelConfig:
         return self.arch in MOE_ARCHITECTURES
 
 
-def load_hf_config(hf_dir: str | os.PathLike) -> Any:
-    """Read `hf_dir/config.json` as a transformers config; error if the architecture is not supported."""
+def load_hf_config(hf_dir: str | os.PathLike, source: str = "--hf") -> Any:
+    """Read `hf_dir/config.json` as a transformers config; error if the architecture is not supported.
+    `source` names where `hf_dir` came from (a CLI flag, a config key) in the error."""
     from transformers import AutoConfig
 
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
-        raise ValueError(f"{path} not found: --hf must be a Hugging Face checkpoint directory with config.json")
+        raise ValueError(f"{path} not found: {source} must be a Hugging Face checkpoint directory with config.json")
     raw = json.loads(path.read_text())
     arch = hf_architecture(raw)
     config = AutoConfig.from_pretrained(str(hf_dir))

@@ -74,8 +74,8 @@ class MegatronEngine(TrainingEngine):
 
         self.policy = policy
         self.cfg = self.validate_config(policy)
+        self.hf_config = load_hf_config(policy.model_name, source="policy.model_name")
         self.device = init_process_group(prepare_device().type == "cuda")
-        self.hf_config = load_hf_config(policy.model_name)
         world_size = dist.get_world_size()
         self.settings = resolve_settings(policy, self.cfg, self.hf_config, world_size, self.device.type == "cuda")
         self.ranks = init_model_parallel(self.cfg, self.device.type == "cuda")

@@ -24,13 +24,27 @@ class Registry:
 
     def register(self, name: str) -> Callable[[type[C]], type[C]]:
         def decorate(cls: type[C]) -> type[C]:
+            # one class per name: which of two would win depended on import order
+            installed = self._entry_points().get(name)
+            known = [self._classes[name]] if name in self._classes else []
+            for other in [_path(c) for c in known] + ([installed.value] if installed is not None else []):
+                if other != _path(cls):
+                    raise ValueError(f"{self.kind} '{name}' is taken by {other}; register {_path(cls)} under "
+                                     "another name")
             self._classes[name] = cls
             return cls
 
         return decorate
 
     def _entry_points(self) -> dict[str, Any]:
-        return {ep.name: ep for ep in entry_points(group=self.group)}
+        found: dict[str, Any] = {}
+        for ep in entry_points(group=self.group):
+            other = found.get(ep.name)
+            if other is not None and other.value != ep.value:
+                raise ValueError(f"{self.kind} '{ep.name}' is provided by two installed packages ({_dist(other)}: "
+                                 f"{other.value}; {_dist(ep)}: {ep.value}); uninstall one of them")
+            found[ep.name] = ep
+        return found
 
     def names(self) -> list[str]:
         return sorted(set(self._classes) | set(self._entry_points()))
@@ -45,14 +59,26 @@ class Registry:
                     f"{config_key} selects {self.kind} '{name}', which is not installed: "
                     f"pip install {self.wheels[name]}"
                 )
-            raise ValueError(f"{config_key}: {self.kind} '{name}' is not registered; choose one of {self.names()}")
+            uninstalled = sorted(set(self.wheels) - set(self.names()))
+            more = f" (or install {', '.join(self.wheels[n] for n in uninstalled)})" if uninstalled else ""
+            raise ValueError(f"{config_key}: {self.kind} '{name}' is not registered; choose one of "
+                             f"{self.names()}{more}")
         try:
             cls = found.load()
-        except ImportError as exc:
+        except (ImportError, AttributeError) as exc:  # a missing module, or a module without the named class
             hint = f" (pip install {self.wheels[name]})" if name in self.wheels else ""
             raise ValueError(f"{self.kind} '{name}' is installed but failed to import{hint}: {exc}") from exc
         self._classes[name] = cls
         return cls
+
+
+def _path(cls: type) -> str:
+    """`module:qualname`, the spelling of an entry point's value."""
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _dist(ep: Any) -> str:
+    return getattr(ep.dist, "name", None) or "an unnamed package"
 
 
 ENGINES = Registry("training engine", "rl_core.engines", {"dtensor": "engine-dtensor", "megatron": "engine-megatron"})
