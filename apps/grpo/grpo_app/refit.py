@@ -10,7 +10,8 @@ Between processes, tensors travel over a dedicated torch.distributed group (gloo
 rank 0 (group rank 0) and every generation worker, never through Ray's object store. The group is a
 standalone process group over its own TCPStore, so it does not disturb the policy's training group.
 Each tensor is preceded by a small header (name, dtype, shape) so the receiver needs no side channel;
-a header with name length -1 ends the stream.
+a header with name length -1 ends the stream. A receiver whose loader refuses a tensor (`receive_into`)
+still reads the stream to its end, so the sender finishes instead of blocking until the group timeout.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import datetime
 import enum
 import logging
 import socket
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -151,3 +152,14 @@ class RefitGroup:
             name = bytes(name_buf[:name_len].tolist()).decode()
             shape = [int(x) for x in header[3 : 3 + ndim]]
             yield name, self._broadcast(torch.empty(shape, dtype=DTYPES[dtype_code], device=self.device))
+
+    def receive_into(self, load: Callable[[Iterator[tuple[str, Tensor]]], Any]) -> None:
+        """`load(self.receive())` (e.g. a backend's `update_weights`); if `load` raises (a refused name or
+        shape) or stops early, the rest of the stream is still read and dropped before the error propagates:
+        the sender's broadcasts only complete once every receiver takes part."""
+        stream = self.receive()
+        try:
+            load(stream)
+        finally:
+            for _ in stream:  # a no-op once the stream ended (or itself failed)
+                pass

@@ -148,7 +148,7 @@ class GenerationWorker(GeneratorHost):
         self.refit = RefitGroup(host, port, rank, world_size, device=device)
 
     def receive_weights(self) -> None:
-        self.backend.update_weights(self.refit.receive())
+        self.refit.receive_into(self.backend.update_weights)
 
 
 @ray.remote

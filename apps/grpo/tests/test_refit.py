@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -35,6 +37,46 @@ def test_refit_broadcasts_every_tensor_bit_exactly():
         assert [n for n, _ in received] == [n for n, _ in sent]
         for (_, a), (_, b) in zip(received, sent):
             assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def _refused_refit(rank: int, world_size: int, port: int):
+    """Rank 0 sends a tensor of the wrong shape, then a good refit; rank 1's loader refuses the bad one."""
+    group = RefitGroup("127.0.0.1", port, rank, world_size, timeout_s=20.0)  # old code: blocked until here
+    good = tensors()
+    bad = [(name, torch.zeros(2, 2) if i == 1 else t) for i, (name, t) in enumerate(good)]
+    bad.insert(2, ("model.norm.weight", torch.zeros(2**22)))  # 16 MB: more than socket buffers hold
+    start = time.monotonic()
+    if rank == 0:
+        group.send(bad)
+        elapsed = time.monotonic() - start
+        group.send(good)
+        return elapsed
+
+    def strict_load(stream):  # what a backend's update_weights does with a shape it does not expect
+        shapes = {name: t.shape for name, t in good} | {"model.norm.weight": torch.Size([2**22])}
+        for name, tensor in stream:
+            if tensor.shape != shapes[name]:
+                raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}")
+
+    try:
+        group.receive_into(strict_load)
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    elapsed = time.monotonic() - start
+    return error, elapsed, [(name, t) for name, t in group.receive()]
+
+
+@pytest.mark.distributed
+def test_refused_tensor_raises_on_the_receiver_and_releases_the_sender():
+    """A receiver that refuses a tensor still reads the stream to its end: it raises its error at once,
+    the sender returns (not after the group timeout), and the next refit arrives whole."""
+    sent_s, (error, received_s, next_refit) = run_distributed(_refused_refit, world_size=2, args=(free_port(),),
+                                                             timeout=60)
+    assert error == "update_weights: 'model.layers.0.self_attn.q_proj.bias' has shape (2, 2)"
+    assert sent_s < 10 and received_s < 10, (sent_s, received_s)
+    assert [n for n, _ in next_refit] == [n for n, _ in tensors()]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(next_refit, tensors()))
 
 
 def test_in_process_refit_streams_one_tensor_at_a_time(tmp_path):

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from rl_core.interfaces import Environment, RewardRequest
+from rollout._reward_worker import normalize_result
 from rollout.environments import create_environment, environment_names, toy_prompts
 from rollout.environments.pool import RewardPool
 from rollout.rewards.math_answer import last_boxed_answer, math_reward
@@ -73,6 +74,26 @@ def test_boxed_extraction_takes_the_last_balanced_box():
     assert math_reward(prompt="", completion="it is 5", metadata={"answer": "5"})["reward"] == 1.0
 
 
+def test_a_final_box_cut_off_scores_zero():
+    """The completion stopped inside its last box: that box was the final answer, so an earlier box (or a
+    number in the text) holding the right one does not count."""
+    for completion in ["\\boxed{5} then \\boxed{6", "it is 5, so \\boxed{5", "\\boxed{\\frac{5}{1}"]:
+        assert math_reward(prompt="", completion=completion, metadata={"answer": "5"}) == \
+            {"reward": 0.0, "correct": False}, completion
+    assert math_reward(prompt="", completion="\\boxed{6} then \\boxed{5}", metadata={"answer": "5"})["reward"] == 1.0
+
+
+def test_numpy_scalar_rewards_are_numbers():
+    np = pytest.importorskip("numpy")
+    assert normalize_result(np.float32(0.5)) == (0.5, None)
+    assert normalize_result(np.int64(1)) == (1.0, None)
+    assert normalize_result({"reward": np.float64(0.25), "correct": np.bool_(True)}) == (0.25, True)
+    assert normalize_result(True) == (1.0, True)
+    for bad in ["1.0", b"1", None, np.float32("nan"), {"reward": float("inf")}]:
+        with pytest.raises(TypeError, match="expected a finite float"):
+            normalize_result(bad)
+
+
 def test_repeat_char_reward_gives_partial_credit():
     meta = {"target": "7"}
     score = lambda c: repeat_char_reward(prompt="ab:7", completion=c, metadata=meta)  # noqa: E731
@@ -118,6 +139,86 @@ def test_pool_survives_crash_timeout_and_bad_values(tmp_path, monkeypatch):
         assert env.last_metrics["reward/errors"] == 0 and env.last_metrics["reward/timeouts"] == 0
     finally:
         env.close()
+
+
+SLOW_START = textwrap.dedent('''
+    import os, time
+
+    if os.path.exists(os.environ["SLOW_START_MARKER"]):  # a worker started after the marker: a slow import
+        time.sleep(2.0)
+
+    def reward(*, prompt, completion, metadata):
+        if completion == "crash":
+            os._exit(3)
+        time.sleep(metadata.get("sleep", 0.0))
+        return 1.0
+''')
+
+
+def test_a_slow_replacement_costs_other_calls_no_time(tmp_path, monkeypatch):
+    """A crashed worker's replacement takes seconds to start (a spawned worker re-imports the caller's
+    __main__: torch, in a trainer); the live worker scores the rest of the batch meanwhile, within the
+    limit, and the replacement serves the next batch."""
+    (tmp_path / "slow_start_rewards.py").write_text(SLOW_START)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    marker = tmp_path / "slow-start"
+    monkeypatch.setenv("SLOW_START_MARKER", str(marker))
+    pool = RewardPool("slow_start_rewards:reward", num_workers=2, timeout_s=1.5)
+    try:
+        marker.touch()  # from here on, a worker takes > 2 s to start
+        start = time.monotonic()
+        outcomes = pool.run([("p", "crash", {}), ("p", "ok", {"sleep": 0.3})] + [("p", "ok", {})] * 6)
+        elapsed = time.monotonic() - start
+        assert [o.status for o in outcomes] == ["crash"] + ["ok"] * 7
+        assert elapsed < 2.5, elapsed  # did not wait for the replacement
+        again = pool.run([("p", "ok", {"sleep": 0.5})] * 2)
+        assert [o.status for o in again] == ["ok", "ok"] and len(pool._workers) == 2
+    finally:
+        pool.close()
+
+
+SPAWNS_CHILD = textwrap.dedent('''
+    import subprocess, sys
+
+    def reward(*, prompt, completion, metadata):
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", metadata["token"]])
+        if metadata["wait"]:  # a code-execution reward whose program hangs
+            child.wait()
+        return 1.0
+''')
+
+
+def test_processes_a_reward_started_die_with_its_worker(tmp_path, monkeypatch):
+    """A timed-out call's worker is killed with its process group, so a program the reward started does
+    not outlive it (re-parented to PID 1, holding the caller's stdout); close() ends leftovers too."""
+    psutil = pytest.importorskip("psutil")
+    (tmp_path / "spawning_rewards.py").write_text(SPAWNS_CHILD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    tokens = {"hung": f"hung-{os.getpid()}-{time.time_ns()}", "left": f"left-{os.getpid()}-{time.time_ns()}"}
+
+    def alive(token: str, wait_s: float = 0.0) -> list:
+        deadline = time.monotonic() + wait_s
+        while True:
+            found = [p for p in psutil.process_iter(["cmdline", "status"])
+                     if token in (p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE]
+            if not found or time.monotonic() >= deadline:
+                return found
+            time.sleep(0.1)
+
+    pool = RewardPool("spawning_rewards:reward", num_workers=1, timeout_s=1.0)
+    try:
+        hung = pool.run([("p", "c", {"token": tokens["hung"], "wait": True})])
+        assert hung[0].status == "timeout"
+        assert not alive(tokens["hung"], wait_s=3.0)
+        left = pool.run([("p", "c", {"token": tokens["left"], "wait": False})])
+        assert left[0].status == "ok" and alive(tokens["left"])  # the check sees such a process
+        pool.close()
+        assert not alive(tokens["left"], wait_s=3.0)
+    finally:
+        pool.close()
+        for token in tokens.values():
+            for process in alive(token):
+                process.kill()
 
 
 def test_bad_names_are_clear_errors():

@@ -137,6 +137,12 @@ def test_bad_sampling_params_and_prompts(tiny_ckpt):
         backend.generate([[]], SamplingParams())
 
 
+@pytest.mark.parametrize("decode", DECODE_PATHS)
+def test_no_prompts_give_no_completions(tiny_ckpt, decode):
+    backend = TorchGenerationBackend(str(tiny_ckpt), **DECODE_PATHS[decode])
+    assert backend.generate([], SamplingParams(n=2, max_new_tokens=4)) == []
+
+
 def test_preallocated_cache_and_gqa_attention_match_transformers_defaults(tiny_ckpt, prompts):
     """rollout's in-place KV cache (also when it must grow) + rollout_sdpa == DynamicCache + sdpa."""
     from transformers import DynamicCache

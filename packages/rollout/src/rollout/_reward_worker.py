@@ -1,13 +1,14 @@
 """The loop a reward worker subprocess runs (rollout.environments.pool starts it).
 
-Kept free of torch and rl_core imports so that a freshly spawned worker starts in a fraction of a
-second: it imports only the user's reward function. Results travel back as plain tuples.
+Kept free of torch and rl_core imports: a worker imports only this module and the user's reward function
+(plus, as any `spawn`ed process, the caller's `__main__` module). Results travel back as plain tuples.
 """
 
 from __future__ import annotations
 
 import importlib
 import math
+import numbers
 import traceback
 from typing import Any
 
@@ -32,7 +33,9 @@ def resolve_function(path: str) -> Any:
 
 
 def normalize_result(value: Any) -> tuple[float, bool | None]:
-    """A reward function's return (number, bool, dict or object with .reward) -> (reward, correct)."""
+    """A reward function's return (real number, bool, dict or object with .reward) -> (reward, correct).
+
+    Any `numbers.Real` counts, so NumPy scalars (np.float32, np.int64) do; strings do not."""
     correct = None
     if isinstance(value, dict):
         correct = value.get("correct")
@@ -43,7 +46,7 @@ def normalize_result(value: Any) -> tuple[float, bool | None]:
     if isinstance(value, bool):
         correct = value if correct is None else correct
         value = float(value)
-    if not isinstance(value, int | float) or not math.isfinite(float(value)):
+    if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
         raise TypeError(f"reward function returned {value!r}; expected a finite float (or bool, or "
                         f"a dict/RewardResult with a finite 'reward')")
     return float(value), (None if correct is None else bool(correct))
@@ -67,6 +70,9 @@ def worker_main(conn: Any, fn_path: str, kwargs: dict[str, Any], scratch: str, m
 
     from rollout._sandbox import confine
 
+    # A session (process group) of its own: the pool kills the whole group, so processes the reward
+    # function starts die with the worker instead of outliving it as orphans.
+    os.setsid()
     sys.path[:] = [os.path.abspath(p) for p in sys.path]  # '' (the launch directory) must survive the chdir
     try:
         held = confine(scratch, memory_limit_mb)

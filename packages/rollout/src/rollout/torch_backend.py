@@ -150,6 +150,8 @@ class TorchGenerationBackend:
             raise RuntimeError("TorchGenerationBackend.generate called while asleep; call wake() first")
         validate_params(params)
         prompts = [self._check_prompt(i, p) for i, p in enumerate(prompt_token_ids)]
+        if not prompts:  # both paths size their caches by the longest prompt
+            return []
         if self.decoder is not None:
             return self._generate_paged(prompts, params)
         stop_ids = torch.tensor(sorted(set(self.eos_token_ids) | {int(t) for t in params.stop_token_ids}),

@@ -1,12 +1,16 @@
 """`RewardPool`: run a reward function in sandboxed worker subprocesses under a time limit.
 
 Owns process management only: a crashed worker (segfault, os._exit, OOM kill) is replaced and that one
-call scores an error; a call that overruns the limit ends its batch (see `RewardPool`). Which function
-runs and how results become `RewardResult`s is rollout.environments.base's business; what confines a
-worker (memory, files, network) is rollout._sandbox's.
+call scores an error; a call that overruns the limit ends its batch (see `RewardPool`). Each worker runs
+in a session (process group) of its own, and killing a worker kills the group: processes a reward
+function started (a code-execution reward's program) go with it. Which function runs and how results
+become `RewardResult`s is rollout.environments.base's business; what confines a worker (memory, files,
+network) is rollout._sandbox's.
 
-Workers are started with `spawn` (no inherited torch threads or CUDA state) and import only
-rollout._reward_worker plus the reward function, so a replacement starts in well under a second.
+Workers are started with `spawn` (no inherited torch threads or CUDA state). A spawned worker re-imports
+the caller's `__main__` module (torch, in a trainer script) before rollout._reward_worker and the reward
+function, so a replacement takes seconds: it starts in the background while the live workers go on
+scoring, and its startup counts against no call's time limit.
 
 Scratch files: each pool owns one directory `reward-pool-*` in the system temp dir (a scratch subdirectory
 per worker) and holds an exclusive `flock` on a lock file in it for its lifetime. The directory goes with
@@ -22,6 +26,7 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import tempfile
 import time
 import weakref
@@ -52,6 +57,8 @@ class CallOutcome:
 
 
 class _Worker:
+    """A worker process, started without waiting for it: `ready` once it has reported its startup."""
+
     def __init__(self, ctx: Any, fn_path: str, kwargs: dict[str, Any], memory_limit_mb: int | None,
                  pool_dir: str) -> None:
         self.scratch = tempfile.mkdtemp(prefix="worker-", dir=pool_dir)
@@ -61,24 +68,43 @@ class _Worker:
         self.process.start()
         child.close()
         self.fn_path = fn_path
+        self.started = time.monotonic()
+        self.ready = False
         self.sandbox: list[str] = []
 
-    def wait_ready(self) -> _Worker:
-        """Block until the worker imported the function; ValueError if the import failed."""
-        if not self.conn.poll(STARTUP_TIMEOUT_S):
-            self.kill()
-            raise RuntimeError(f"reward worker for {self.fn_path!r} did not start within {STARTUP_TIMEOUT_S} s")
+    @property
+    def startup_deadline(self) -> float:
+        return self.started + STARTUP_TIMEOUT_S
+
+    def finish_start(self) -> None:
+        """Read the startup report (call when `conn` is readable); ValueError if the import failed."""
         try:
             status, message = self.conn.recv()
-        except EOFError:
+        except (EOFError, OSError):
             status, message = "init_error", f"reward worker for {self.fn_path!r} exited while starting"
         if status == "init_error":
             self.kill()
             raise ValueError(message)
-        self.sandbox = message
+        self.sandbox, self.ready = message, True
+
+    def wait_ready(self) -> _Worker:
+        """Block until the worker imported the function; ValueError if the import failed."""
+        if self.ready:
+            return self
+        if not self.conn.poll(max(0.0, self.startup_deadline - time.monotonic())):
+            self.kill()
+            raise RuntimeError(f"reward worker for {self.fn_path!r} did not start within {STARTUP_TIMEOUT_S} s")
+        self.finish_start()
         return self
 
     def kill(self) -> None:
+        """Kill the worker and every process of its group (what the reward function started)."""
+        try:
+            # The group id is the worker's pid only once the worker has called setsid(); before that no
+            # such group exists (ESRCH), so this never reaches the caller's own group.
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
         if self.process.is_alive():
             self.process.kill()
         self.process.join(timeout=5)
@@ -123,10 +149,12 @@ def remove_orphaned_pool_dirs() -> int:
 class RewardPool:
     """`num_workers` sandboxed subprocesses (rollout._sandbox) running `fn_path` (pkg.module:function).
 
-    Time limit: each call gets `timeout_s`; the first call of a batch to overrun it ends the batch: its
-    worker and every busy one are killed, and the calls not yet scored fail as timeouts. So a function
-    that hangs costs at most `timeout_s` per batch, not per call. `num_workers=0` is read as 1: a reward
-    function never runs in the calling process, where a hung call could not be stopped.
+    Time limit: each call gets `timeout_s` from when a worker takes it; the first call of a batch to
+    overrun it ends the batch: its worker and every busy one are killed, and the calls not yet scored
+    fail as timeouts. So a function that hangs costs at most `timeout_s` per batch, not per call. A
+    crashed worker's replacement starts in the background; calls wait for a live worker meanwhile.
+    `num_workers=0` is read as 1: a reward function never runs in the calling process, where a hung call
+    could not be stopped.
     """
 
     def __init__(self, fn_path: str, *, num_workers: int = 2, timeout_s: float = 10.0,
@@ -154,19 +182,26 @@ class RewardPool:
     @property
     def sandbox(self) -> list[str]:
         """The confinement layers that hold in the workers (see rollout._sandbox)."""
-        return self._workers[0].sandbox if self._workers else []
+        return next((w.sandbox for w in self._workers if w.ready), [])
+
+    def _start_worker(self) -> _Worker:
+        worker = _Worker(self._ctx, self.fn_path, self.fn_kwargs, self.memory_limit_mb, self.dir)
+        self._workers.append(worker)
+        return worker
 
     def _ensure_workers(self) -> None:
-        # Start all, then wait for all: imports (sympy for math-verify: seconds) overlap.
-        fresh = [_Worker(self._ctx, self.fn_path, self.fn_kwargs, self.memory_limit_mb, self.dir)
-                 for _ in range(self.num_workers - len(self._workers))]
+        """Start the missing workers and wait for every one (replacements a previous batch started too)."""
+        for _ in range(self.num_workers - len(self._workers)):
+            self._start_worker()
         try:
-            ready = [w.wait_ready() for w in fresh]
+            for worker in self._workers:  # started together: imports (sympy for math-verify: seconds) overlap
+                worker.wait_ready()
         except Exception:
-            for w in fresh:
-                w.kill()
+            for worker in self._workers:
+                if not worker.ready:
+                    worker.kill()
+            self._workers = [w for w in self._workers if w.ready]
             raise
-        self._workers.extend(ready)
 
     def run(self, calls: Sequence[tuple[str, str, dict[str, Any]]]) -> list[CallOutcome]:
         """Score (prompt, completion, metadata) triples; one outcome per call, in order."""
@@ -177,13 +212,21 @@ class RewardPool:
         pending = deque(range(len(calls)))
         idle = list(self._workers)
         busy: dict[Connection, tuple[_Worker, int, float]] = {}
+        starting: dict[Connection, _Worker] = {}  # replacements of crashed workers, not ready yet
         while pending or busy:
             while pending and idle:
                 worker, task = idle.pop(), pending.popleft()
                 worker.conn.send((task, *calls[task]))
                 busy[worker.conn] = (worker, task, time.monotonic() + self.timeout_s)
-            next_deadline = min(deadline for _, _, deadline in busy.values())
-            for conn in wait(list(busy), timeout=max(0.0, next_deadline - time.monotonic())):
+            if not busy and not starting:  # every worker died and no replacement could start
+                for task in pending:
+                    results[task] = CallOutcome("crash", message="no reward worker could be restarted")
+                break
+            next_deadline = min([d for _, _, d in busy.values()] + [w.startup_deadline for w in starting.values()])
+            for conn in wait(list(busy) + list(starting), timeout=max(0.0, next_deadline - time.monotonic())):
+                if conn in starting:
+                    self._finish_replacement(starting.pop(conn), idle)
+                    continue
                 worker, task, _ = busy.pop(conn)
                 try:
                     _, payload = conn.recv()
@@ -191,13 +234,20 @@ class RewardPool:
                     worker.process.join(timeout=2)  # EOF can arrive before the exit status
                     code = worker.process.exitcode
                     results[task] = CallOutcome("crash", message=f"reward worker died (exit code {code})")
-                    idle.append(self._replace(worker))
+                    fresh = self._replace(worker)
+                    starting[fresh.conn] = fresh
                     continue
                 results[task] = self._outcome(payload)
                 idle.append(worker)
-            late = [task for worker, task, deadline in busy.values() if time.monotonic() >= deadline]
+            now = time.monotonic()
+            # A result (or a crash) already waiting in the pipe is read on the next pass, not called late.
+            late = [task for conn, (_, task, deadline) in busy.items() if now >= deadline and not conn.poll()]
             if late:
                 self._end_batch(late[0], busy, pending, results)
+            for conn, worker in list(starting.items()):
+                if now >= worker.startup_deadline and not conn.poll():
+                    del starting[conn]
+                    self._drop(worker, f"did not start within {STARTUP_TIMEOUT_S} s")
         return [r if r is not None else CallOutcome("error", message="no result") for r in results]
 
     def _end_batch(self, late: int, busy: dict[Connection, tuple[_Worker, int, float]], pending: deque,
@@ -221,11 +271,25 @@ class RewardPool:
         return CallOutcome("error", message=payload[1])
 
     def _replace(self, worker: _Worker) -> _Worker:
+        """Kill a crashed worker and start its replacement without waiting for it (see `run`)."""
         worker.kill()
-        fresh = _Worker(self._ctx, self.fn_path, self.fn_kwargs, self.memory_limit_mb, self.dir).wait_ready()
-        self._workers[self._workers.index(worker)] = fresh
-        logger.warning("replaced crashed reward worker for %s", self.fn_path)
-        return fresh
+        self._workers.remove(worker)
+        logger.warning("replacing crashed reward worker for %s", self.fn_path)
+        return self._start_worker()
+
+    def _finish_replacement(self, worker: _Worker, idle: list[_Worker]) -> None:
+        try:
+            worker.finish_start()
+        except ValueError as exc:
+            self._drop(worker, str(exc))
+            return
+        idle.append(worker)
+
+    def _drop(self, worker: _Worker, why: str) -> None:
+        """A replacement that failed to start; the next batch starts another (and raises if that fails too)."""
+        worker.kill()
+        self._workers.remove(worker)
+        logger.error("replacement reward worker for %s failed: %s", self.fn_path, why)
 
     def close(self) -> None:
         """Stop every worker and remove the pool's directory; the pool cannot run again."""
