@@ -71,6 +71,12 @@ class GenerationConfig:
     in_policy_workers: bool = False
     backend_kwargs: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if self.in_policy_workers and self.num_workers != 1:
+            logger.warning("generation.num_workers=%d is unused: generation runs inside the policy workers "
+                           "(generation.in_policy_workers=true), one generator per policy rank or TP group",
+                           self.num_workers)
+
 
 @dataclass(kw_only=True)
 class EnvConfig:

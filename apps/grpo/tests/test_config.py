@@ -79,6 +79,17 @@ def test_defaults_cycle_and_missing_file(tmp_path):
         load_yaml(child)
 
 
+def test_generator_count_unused_in_policy_workers_is_a_warning(tmp_path, caplog):
+    path = write(tmp_path / "c.yaml", "policy: {model_name: m}\n")
+    with caplog.at_level("WARNING"):
+        load_config(path, ["generation.in_policy_workers=true", "generation.num_workers=3"])
+    assert "generation.num_workers=3 is unused" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        load_config(path, ["generation.in_policy_workers=false", "generation.num_workers=3"])
+    assert "is unused" not in caplog.text
+
+
 def test_config_by_shipped_name(tmp_path, monkeypatch):
     """`--config gpu_1x` (or gpu_1x.yaml) is the shipped recipe where no such file exists; a file wins."""
     monkeypatch.chdir(tmp_path)
