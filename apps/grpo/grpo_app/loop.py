@@ -168,10 +168,11 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
 
 def rollout_metrics(rewards, results, completions, lengths, timer: PhaseTimer) -> dict[str, float]:
     correct = [r.correct for r in results if r.correct is not None]
+    accuracy = {"rollout/accuracy": sum(correct) / len(correct)} if correct else {}  # tasks that judge correctness
     return {
         "rollout/reward_mean": float(rewards.mean()),
         "rollout/reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-        "rollout/accuracy": sum(correct) / len(correct) if correct else float("nan"),
+        **accuracy,
         "rollout/reward_errors": float(sum(r.error is not None for r in results)),
         "rollout/gen_len_mean": float(lengths.mean()),
         "rollout/gen_len_max": float(lengths.max()),

@@ -6,7 +6,16 @@ from __future__ import annotations
 import torch
 
 from grpo_app.config import load_config
-from grpo_app.loop import PhaseTimer, Run, build_batch, grpo_step, rollout, sample_groups, sampling_params
+from grpo_app.loop import (
+    PhaseTimer,
+    Run,
+    build_batch,
+    grpo_step,
+    rollout,
+    rollout_metrics,
+    sample_groups,
+    sampling_params,
+)
 from grpo_app.prompts import PromptSource
 from rl_core.interfaces import Completion, RewardRequest, RewardResult
 from rollout.datasets import PromptExample
@@ -112,3 +121,15 @@ def test_scoring_overlaps_generation_and_changes_no_result():
                                                  completion="x" * len(c.token_ids)) for c in expected])
     assert [(c.prompt_index, c.token_ids) for c in completions] == [(c.prompt_index, c.token_ids) for c in expected]
     assert rewards.tolist() == [r.reward for r in expected_results] and results == expected_results
+
+
+def test_accuracy_is_logged_only_where_the_task_judges_correctness():
+    completions = [Completion(prompt_index=0, token_ids=[1, 2], logprobs=[-0.1, -0.2], finish_reason="stop"),
+                   Completion(prompt_index=0, token_ids=[3], logprobs=[-0.3], finish_reason="length")]
+    lengths = torch.tensor([2.0, 1.0])
+    judged = rollout_metrics(torch.tensor([1.0, 0.0]), [RewardResult(reward=1.0, correct=True), RewardResult(reward=0.0, correct=False)],
+                             completions, lengths, PhaseTimer())
+    assert judged["rollout/accuracy"] == 0.5 and judged["rollout/truncated_fraction"] == 0.5
+    partial = rollout_metrics(torch.tensor([0.5, 0.25]), [RewardResult(reward=0.5), RewardResult(reward=0.25)], completions, lengths,
+                              PhaseTimer())
+    assert "rollout/accuracy" not in partial and partial["rollout/reward_mean"] == 0.375  # repeat_char: no NaN logged
