@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Every GPU check of the project on one GPU, part by part, each under its own time limit with its own log
 # (a part that hangs is killed, the next one still runs). From the workspace root:
-#   bash bench/gpu_suite.sh LOG_DIR [PART ...]      PART: tests logprobs engines-0.5b engines-8x2048
-#                                                   engines-compile generation grpo
+#   bash bench/gpu_suite.sh LOG_DIR [PART ...]      PART: tests-engines tests-app logprobs engines-0.5b
+#                                                   engines-8x2048 engines-compile generation grpo
 # Default: every part (~30 min on an H100). Durations measured on one H100 (2026-11-23) in brackets:
-#   tests           pytest -m gpu over the workspace (20 tests; ~5 min: the two trainer tests start Ray)
+#   tests-engines   pytest -m gpu over rl-core, seqpack, ckpt-convert and both engines (each sync and
+#                   layout test spawns its own ranks: ~15 fresh torch/megatron processes)
+#   tests-app       pytest -m gpu over rollout, the trainer and tests/ (25 gpu tests in all, ~5 min for the
+#                   20 of 2026-11-23: the trainer tests start Ray)
 #   logprobs        bench/logprob_kernel.py --device cuda --tokens 8192 (the engines' logprob kernel
 #                   against plain torch: time, traffic, peak)                         [not run yet]
 #   engines-0.5b    bench/gpu_engines.py, 0.5B shape, both engines x packed/unpacked, each
@@ -21,7 +24,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: bash bench/gpu_suite.sh LOG_DIR [PART ...]}; shift
 mkdir -p "$out"
-parts=("$@"); [ ${#parts[@]} -eq 0 ] && parts=(tests logprobs engines-0.5b engines-8x2048 engines-compile generation grpo)
+parts=("$@"); [ ${#parts[@]} -eq 0 ] && parts=(tests-engines tests-app logprobs engines-0.5b engines-8x2048 engines-compile
+                                              generation grpo)
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 
@@ -38,7 +42,10 @@ run() {  # run PART LIMIT_S COMMAND...: log to LOG_DIR/PART.log, the exit code a
 
 for part in "${parts[@]}"; do
   case $part in
-    tests) run tests 560 $py -m pytest -m gpu -v -p no:cacheprovider -rfE --timeout 300 packages apps tests ;;
+    tests-engines) run tests-engines 560 $py -m pytest -m gpu -v -p no:cacheprovider -rfE --timeout 300 \
+            packages/rl-core packages/seqpack packages/ckpt-convert packages/engine-dtensor packages/engine-megatron ;;
+    tests-app) run tests-app 560 $py -m pytest -m gpu -v -p no:cacheprovider -rfE --timeout 300 packages/rollout \
+            apps tests ;;
     logprobs) run logprobs 300 $py bench/logprob_kernel.py --device cuda --tokens 8192 ;;
     engines-0.5b) run engines-0.5b 560 $py bench/gpu_engines.py --models 0.5b --profile 15 ;;
     engines-8x2048) run engines-8x2048 560 $py bench/gpu_engines.py --models 8x2048 --profile 15 ;;
@@ -47,7 +54,7 @@ for part in "${parts[@]}"; do
     generation) run generation 560 $py packages/rollout/bench/bench_generation.py --device cuda ;;
     grpo) run grpo 560 $py bench/grpo_vs_trl.py --device cuda --engines dtensor,megatron --rounds 1 \
             ${TRL_PYTHON:+--trl-python "$TRL_PYTHON"} ;;
-    *) echo "unknown part '$part': choose from tests logprobs engines-0.5b engines-8x2048 engines-compile generation grpo" >&2
+    *) echo "unknown part '$part': choose from tests-engines tests-app logprobs engines-0.5b engines-8x2048 engines-compile generation grpo" >&2
        exit 2 ;;
   esac
 done

@@ -117,7 +117,9 @@ class GpuMemory:
     def _sample(self) -> None:
         while not self._stop.wait(0.5):
             out = subprocess.run(self.QUERY, capture_output=True, text=True).stdout
-            used = sum(float(line.split(",")[1]) for line in out.splitlines() if "," in line)
+            fields = [line.split(",")[1].strip() for line in out.splitlines() if "," in line]
+            # "[N/A]" where the driver cannot report (MIG, some containers): skip it, keep sampling
+            used = sum(float(f) for f in fields if f.replace(".", "", 1).isdigit())
             self.peak_mib = max(self.peak_mib, used)
 
     def __exit__(self, *exc: object) -> None:

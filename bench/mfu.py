@@ -60,6 +60,8 @@ def profile_pass(engine, batch, loss, top: int, device: str = "cpu") -> tuple[li
 
     cuda = device == "cuda"
     attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    if cuda:
+        torch.cuda.synchronize()  # earlier queued work must not count as this pass's wall time
     start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
         engine.train_batch(batch, loss)

@@ -155,10 +155,18 @@ def test_flash_attention_varlen_packing_on_gpu(ckpt) -> None:
         assert torch.nn.functional.cosine_similarity(packed_g, grads, dim=0) > 0.999
 
 
-def test_attention_kernel_choice() -> None:
+def test_attention_kernel_choice(monkeypatch) -> None:
+    import importlib.util
+
     from engine_dtensor.engine import resolve_attn_implementation
 
     assert resolve_attn_implementation("auto", torch.device("cpu"), "bfloat16") == "sdpa_segments"
+    # with flash-attn installed, on CUDA in bf16, too: sdpa_segments calls flash-attn's varlen kernel itself
+    # with lengths computed once per micro-batch (HF's flash_attention_2 re-reads them in every layer)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn"
+                        else real_find_spec(name, *a))
+    assert resolve_attn_implementation("auto", torch.device("cuda"), "bfloat16") == "sdpa_segments"
     assert resolve_attn_implementation("eager", torch.device("cpu"), "float32") == "eager"
     with pytest.raises(ValueError, match=r"needs CUDA and flash-attn"):
         resolve_attn_implementation("flash_attention_2", torch.device("cpu"), "bfloat16")

@@ -144,6 +144,30 @@ def test_combine_metrics_sums_and_extremes():
     assert combine_metrics(parts) == {"loss": 3.0, "ratio_min": 0.8, "ratio_max": 1.1}
 
 
+def test_combine_metrics_reads_tensors_back_once_not_per_value():
+    """A loss's metrics are device tensors: reading each with float() waits for the GPU once per value and
+    micro-batch. Reduced on their device and read back together, no per-value read (`item`) is left."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class ItemReads(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(0)
+    parts = [{"kl": torch.rand((), generator=gen), "ratio_min": torch.rand((), generator=gen),
+              "ratio_max": torch.rand((), generator=gen), "tokens": float(i)} for i in range(6)]
+    with ItemReads() as reads:
+        got = combine_metrics(parts)
+    assert reads.count == 0
+    assert got == pytest.approx({"kl": sum(float(p["kl"]) for p in parts), "tokens": 15.0,
+                                 "ratio_min": min(float(p["ratio_min"]) for p in parts),
+                                 "ratio_max": max(float(p["ratio_max"]) for p in parts)}, rel=1e-12)
+    assert list(got) == ["kl", "ratio_min", "ratio_max", "tokens"]
+
+
 def test_optimizer_steps_average_means_add_counts_and_keep_extremes():
     """A GRPO step of two optimizer steps: one with 3 non-finite tokens (skipped), one clean."""
     steps = [{"loss": 1.0, "grad_norm": 2.0, "ratio_min": 0.5, "ratio_max": 5.0, "nonfinite_logprob_tokens": 3.0,

@@ -26,8 +26,9 @@ class DTensorConfig:
     cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: sharded params, grads and optimizer state on host
     precision: Precision | None = None  # None: use policy.precision
     compile: bool = False  # torch.compile each decoder layer
-    # "auto": flash_attention_2 on CUDA in bf16 when flash-attn imports (varlen packing), else
-    # sdpa_segments (one sdpa per packed sequence). "sdpa": a block-diagonal mask over the packed row.
+    # "auto": sdpa_segments (packed rows: one varlen kernel call per layer on CUDA, flash-attn's when installed,
+    # else torch's; one sdpa per sequence on the CPU). "sdpa": a block-diagonal mask over the packed row.
+    # "flash_attention_2": HF's own path (a host read of a GPU tensor per layer to find the boundaries).
     attn_implementation: AttnImplementation = "auto"
 
     def __post_init__(self) -> None:

@@ -42,8 +42,10 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_attn_implementation(requested: str, device: torch.device, precision: str) -> str:
-    """flash_attention_2 (varlen packing) on CUDA with flash-attn and bf16, else sdpa_segments (one sdpa
-    per packed sequence; HF's sdpa for padded rows)."""
+    """`auto` is sdpa_segments: packed rows through one varlen kernel call per layer (flash-attn's when
+    installed, else torch's; per-sequence sdpa on the CPU), padded rows through HF's sdpa. HF's
+    flash_attention_2 only when asked for: it finds packed boundaries, and unpads padded rows, with a host
+    read of a GPU tensor in every layer."""
     has_flash = importlib.util.find_spec("flash_attn") is not None
     if requested == "flash_attention_2":
         if not (has_flash and device.type == "cuda"):
@@ -58,8 +60,6 @@ def resolve_attn_implementation(requested: str, device: torch.device, precision:
             )
     if requested != "auto":
         return requested
-    if device.type == "cuda" and has_flash and precision == "bfloat16":
-        return "flash_attention_2"
     logger.info("attention: %s (packed sequences: a varlen kernel on CUDA in bf16, else one causal sdpa each)",
                 SEGMENT_SDPA)
     return SEGMENT_SDPA
@@ -251,5 +251,5 @@ class DTensorEngine(TrainingEngine):
             for key, value in state.items():
                 if isinstance(value, Tensor) and key != "step":
                     state[key] = value.to(device, non_blocking=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        if torch.cuda.is_available():  # both ways: a non-blocking copy to the host may still be running
+            torch.cuda.synchronize()
