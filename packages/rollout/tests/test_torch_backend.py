@@ -207,3 +207,18 @@ def test_greedy_equals_hf_generate_on_cuda(tiny_ckpt, prompts, hf_ref):
     backend.wake()
     assert [c.token_ids for c in backend.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=16))] == \
         [c.token_ids for c in out]
+
+
+def test_paged_prefill_gives_the_packed_attention_its_lengths(tiny_ckpt, prompts, monkeypatch):
+    """Prefill's cu_seqlens is an inference tensor, which seqpack re-reads on the host in every layer (fp32 on
+    CUDA waits for the GPU each time); prefill has the lengths on the host and passes them."""
+    import seqpack.attention
+
+    reads = []
+    real = seqpack.attention._host_lengths
+    monkeypatch.setattr(seqpack.attention, "_host_lengths", lambda cu: reads.append(cu) or real(cu))
+    backend = TorchGenerationBackend(str(tiny_ckpt), **DECODE_PATHS["paged"])
+    dense = TorchGenerationBackend(str(tiny_ckpt), **DECODE_PATHS["dense"])
+    params = SamplingParams(temperature=0.0, max_new_tokens=6)
+    assert [c.token_ids for c in backend.generate(prompts, params)] == [c.token_ids for c in dense.generate(prompts, params)]
+    assert reads == []

@@ -169,7 +169,9 @@ class PagedDecoder:
         cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=dev)  # (P+1,)
 
         def packed_attention(i: int, attn: Any, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            out = packed_causal_attention(q, k, v, cu_seqlens, max_len=max(lengths), scale=attn.scaling)
+            # lengths from the host: cu_seqlens is an inference tensor, read again in every layer otherwise (fp32)
+            out = packed_causal_attention(q, k, v, cu_seqlens, max_len=max(lengths), scale=attn.scaling,
+                                          lengths=lengths)
             return out.reshape(q.shape[0], -1)  # (T, H * D)
 
         hidden = self._layers(ids, positions, slots, packed_attention)

@@ -104,11 +104,12 @@ def _host_lengths(cu_seqlens: Tensor) -> list[int]:
 
 def packed_causal_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, *,
                             max_len: int | None = None, scale: float | None = None, window: int | None = None,
-                            dropout: float = 0.0) -> Tensor:
+                            dropout: float = 0.0, lengths: list[int] | None = None) -> Tensor:
     """Causal attention within each [cu[i], cu[i+1]) of q (T, H, D), k / v (T, H_kv, D) -> (T, H, D).
 
     `cu_seqlens` (S+1,) int32 ends at T (checked when it is on the host); `max_len` its longest segment
     (computed, with a host sync, when not given); `window`: HF's sliding window, a query sees itself and the window - 1 keys before it.
+    `lengths`: the segment lengths, where the caller has them on the host (else read from `cu_seqlens`).
     """
     # Checked where it costs nothing: reading a GPU tensor here would stall the host once per layer.
     if cu_seqlens.device.type == "cpu" and int(cu_seqlens[-1]) != query.shape[0]:
@@ -118,7 +119,7 @@ def packed_causal_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlen
         max_len = max_len or int(torch.diff(cu_seqlens).max())
         return varlen_causal_attention(query, key, value, cu_seqlens, max_len, scale=scale, window=window,
                                        kernel=varlen_kernel("cuda"))
-    lengths = _host_lengths(cu_seqlens)
+    lengths = lengths if lengths is not None else _host_lengths(cu_seqlens)
     gqa = query.shape[1] != key.shape[1]
     outs = []
     # split (not slicing in a loop): its backward is one cat, not a zero-filled copy per segment
