@@ -141,12 +141,25 @@ def test_automatic_settings() -> None:
         ({"context_parallel_size": 2}, {}, 2, r"context_parallel_size=2 needs packed sequences.*sequence_packing\.enabled=true"),
         ({"tensor_model_parallel_size": 2}, {}, 3, r"world size 3 is not divisible by TP\*PP\*CP"),
         ({"expert_model_parallel_size": 2}, {}, 2, r"expert_model_parallel_size=2 must divide the number of experts \(none"),
+        ({"tensor_model_parallel_size": 2, "expert_tensor_parallel_size": 1}, {}, 2,
+         r"expert_tensor_parallel_size=1 with tensor_model_parallel_size=2 needs expert_model_parallel_size > 1"),
     ],
 )
 def test_cross_field_errors(megatron_cfg, policy_kw, world, message) -> None:
     cfg = parse_megatron_config(megatron_cfg)
+    arch = "qwen3_moe" if "expert_tensor_parallel_size" in megatron_cfg else "qwen2"
     with pytest.raises(ConfigError, match=message):
-        resolve_settings(make_policy("x", **policy_kw), cfg, tiny_config("qwen2"), world, use_cuda=False)
+        resolve_settings(make_policy("x", **policy_kw), cfg, tiny_config(arch), world, use_cuda=False)
+
+
+def test_expert_tensor_parallel_size_defaults_to_tp() -> None:
+    """megatron's default: with EP=1 the experts are TP-sharded like the dense layers (their gradients are
+    reduced as dense ones), so the layout TP=2, EP=1 of a MoE model resolves without a key."""
+    assert parse_megatron_config({"tensor_model_parallel_size": 2}).etp == 2
+    assert parse_megatron_config({"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2,
+                                  "expert_tensor_parallel_size": 1}).etp == 1
+    resolve_settings(make_policy("x"), parse_megatron_config({"tensor_model_parallel_size": 2}),
+                     tiny_config("qwen3_moe"), 2, use_cuda=False)
 
 
 def _build(rank: int, world_size: int, ckpt: str, megatron_cfg: dict) -> str:

@@ -87,16 +87,19 @@ def _uneven_run(rank: int, world_size: int, ckpt: str, megatron_cfg: dict) -> di
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-def test_expert_parallel_equals_single_rank(tiny_ckpt, arch: str) -> None:
-    """EP=2 (x DP=2 for the dense part) == EP=1 on one rank; qwen3_moe also against HF."""
+@pytest.mark.parametrize("megatron_cfg", [{"expert_model_parallel_size": 2}, {"tensor_model_parallel_size": 2}],
+                         ids=["ep2", "tp2"])
+def test_expert_parallel_equals_single_rank(tiny_ckpt, arch: str, megatron_cfg: dict) -> None:
+    """EP=2 (x DP=2 for the dense part), and TP=2 with the experts TP-sharded too (expert TP = TP, the
+    default), == one rank; qwen3_moe also against HF."""
     ckpt = tiny_ckpt(arch)
     ref = reference_run(ckpt)
     if arch == "qwen3_moe":
         hf = dict(enumerate(hf_target_logprobs(ckpt, global_batch(0))))
         assert max_abs_diff(by_index(ref, "before"), hf) <= 1e-5
-    run = run_distributed(engine_run, world_size=2, args=(ckpt, {"expert_model_parallel_size": 2}, {}))
+    run = run_distributed(engine_run, world_size=2, args=(ckpt, megatron_cfg, {}))
     diffs = assert_same_run(run, ref)
-    logger.info("%s EP=2 vs EP=1: %s", arch, diffs)
+    logger.info("%s %s vs one rank: %s", arch, megatron_cfg, diffs)
 
 
 def _recompute_settings(rank: int, world_size: int, ckpt: str) -> tuple:

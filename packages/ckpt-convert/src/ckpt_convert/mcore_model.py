@@ -146,7 +146,7 @@ def _attention_bias(hf: Any, arch: str) -> bool:
     return arch == "Qwen2ForCausalLM"
 
 
-def mcore_model_config(hf_config: Any, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1, cp: int = 1,
+def mcore_model_config(hf_config: Any, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, cp: int = 1,
                        sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
                        overrides: dict | None = None, vocab_size: int | None = None) -> MCoreModelConfig:
     """Map an HF config to the megatron TransformerConfig and GPTModel arguments of the same model.
@@ -176,7 +176,7 @@ def mcore_model_config(hf_config: Any, *, tp: int = 1, pp: int = 1, ep: int = 1,
         params_dtype=params_dtype, pipeline_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16, use_cpu_initialization=not torch.cuda.is_available(),
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp, context_parallel_size=cp, sequence_parallel=sequence_parallel,
+        expert_tensor_parallel_size=etp or tp, context_parallel_size=cp, sequence_parallel=sequence_parallel,
         **moe,
     )
     window = getattr(hf, "sliding_window", None)

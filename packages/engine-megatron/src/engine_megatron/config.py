@@ -108,7 +108,7 @@ class MegatronConfig:
     pipeline_model_parallel_size: int = 1
     context_parallel_size: int = 1
     expert_model_parallel_size: int = 1
-    expert_tensor_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None  # None: = TP (megatron's default)
     sequence_parallel: bool | None = None  # None: on exactly when TP > 1
     activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
     optimizer: dict[str, Any] = field(default_factory=dict)  # megatron OptimizerConfig overrides
@@ -133,6 +133,10 @@ class MegatronConfig:
     @property
     def ep(self) -> int:
         return self.expert_model_parallel_size
+
+    @property
+    def etp(self) -> int:
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
 
 
 def _transformer_fields() -> list[str]:
@@ -189,7 +193,7 @@ def parse_megatron_config(raw: dict[str, Any], section: str = SECTION) -> Megatr
     cfg = parse_config(MegatronConfig, known, section)
     for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                 "expert_model_parallel_size", "expert_tensor_parallel_size"):
-        if getattr(cfg, key) < 1:
+        if getattr(cfg, key) is not None and getattr(cfg, key) < 1:
             raise ConfigError(f"{section}.{key} must be >= 1; got {getattr(cfg, key)}")
     _check_fields(section, "optimizer", cfg.optimizer, _optimizer_fields())
     _check_fields(section, "scheduler", cfg.scheduler, _scheduler_fields())
@@ -243,7 +247,12 @@ def resolve_settings(policy: PolicyConfig, cfg: MegatronConfig, hf_config: Any, 
     if cfg.ep > 1 and (not num_experts or num_experts % cfg.ep):
         raise ConfigError(f"{section}.expert_model_parallel_size={cfg.ep} must divide the number of experts "
                           f"({num_experts or 'none: a dense model'})")
-    if (world_size // model_parallel) * cfg.cp * cfg.tp % (cfg.ep * cfg.expert_tensor_parallel_size):
+    if num_experts and cfg.ep == 1 and cfg.etp != cfg.tp:
+        raise ConfigError(f"{section}.expert_tensor_parallel_size={cfg.etp} with tensor_model_parallel_size={cfg.tp} "
+                          "needs expert_model_parallel_size > 1: with EP=1 megatron reduces expert gradients like "
+                          "dense ones, and the experts' copies on the TP ranks drift apart; leave "
+                          "expert_tensor_parallel_size unset (= TP)")
+    if (world_size // model_parallel) * cfg.cp * cfg.tp % (cfg.ep * cfg.etp):
         raise ConfigError(f"{section}.expert_model_parallel_size={cfg.ep} x expert_tensor_parallel_size must divide "
                           f"DP*CP*TP = {world_size // model_parallel * cfg.cp * cfg.tp}")
     sp = cfg.sequence_parallel if cfg.sequence_parallel is not None else cfg.tp > 1

@@ -80,7 +80,7 @@ class MegatronEngine(TrainingEngine):
         self.settings = resolve_settings(policy, self.cfg, self.hf_config, world_size, self.device.type == "cuda")
         self.ranks = init_model_parallel(self.cfg, self.device.type == "cuda")
         self.model_cfg = mcore_model_config(
-            self.hf_config, tp=self.cfg.tp, pp=self.cfg.pp, ep=self.cfg.ep, etp=self.cfg.expert_tensor_parallel_size,
+            self.hf_config, tp=self.cfg.tp, pp=self.cfg.pp, ep=self.cfg.ep, etp=self.cfg.etp,
             cp=self.cfg.cp, sequence_parallel=self.settings.sequence_parallel,
             params_dtype=getattr(torch, policy.precision), overrides=self.settings.transformer_overrides)
         if dist.get_rank() == 0:

@@ -49,7 +49,7 @@ def init_model_parallel(cfg: MegatronConfig, use_cuda: bool) -> ParallelRanks:
         pipeline_model_parallel_size=cfg.pp,
         context_parallel_size=cfg.cp,
         expert_model_parallel_size=cfg.ep,
-        expert_tensor_parallel_size=cfg.expert_tensor_parallel_size,
+        expert_tensor_parallel_size=cfg.etp,
     )
     # Same seed on every rank: data-parallel replicas must build identical weights; megatron offsets the
     # tensor-parallel stream by the TP rank itself.
