@@ -116,13 +116,15 @@ def test_config_fields(tiny_ckpts: dict) -> None:
 @pytest.mark.parametrize(("arch", "overrides"), [
     ("llama", {"tie_word_embeddings": True}),
     ("mistral", {"sliding_window": 5}),  # shorter than TOKENS: the window really masks
+    ("mixtral", {"sliding_window": 5}),  # every layer, as Mistral
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 0}),  # layer_types: all sliding
     ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 4.0,
                                    "low_freq_factor": 2.0, "high_freq_factor": 3.0,
                                    "original_max_position_embeddings": 8}}),
 ])
 def test_config_variants_match_hf(arch: str, overrides: dict, tmp_path) -> None:
-    """Tied embeddings, Mistral's sliding window and llama3 rope scaling give the HF logits too, and the
-    checkpoint converts HF -> mcore -> HF bit-exactly."""
+    """Tied embeddings, sliding windows (Mistral's, Mixtral's, Qwen2's when every layer slides) and llama3 rope
+    scaling give the HF logits too, and the checkpoint converts HF -> mcore -> HF bit-exactly."""
     from ckpt_convert.convert import convert_hf_to_mcore, convert_mcore_to_hf
     from rl_core.testing.distributed import run_distributed
     from rl_core.testing.tiny_models import save_tiny_checkpoint
@@ -135,3 +137,14 @@ def test_config_variants_match_hf(arch: str, overrides: dict, tmp_path) -> None:
     original, restored = _load_hf_weights(path), _load_hf_weights(back)
     assert sorted(original) == sorted(restored)
     assert all(torch.equal(original[k], restored[k]) for k in original)
+
+
+def test_sliding_window_on_some_layers_only_is_refused() -> None:
+    """Qwen2 slides from layer max_window_layers on; megatron has one window for all layers: an error, not
+    full attention everywhere (the window used to be dropped without a word)."""
+    from rl_core.testing.tiny_models import tiny_config
+
+    mixed = tiny_config("qwen2", use_sliding_window=True, sliding_window=5, max_window_layers=1)
+    with pytest.raises(ValueError, match=r"layer_types mixing full and sliding-window attention.*max_window_layers=1"):
+        mcore_model_config(mixed)
+    assert mcore_model_config(tiny_config("qwen2")).transformer_config.window_size is None

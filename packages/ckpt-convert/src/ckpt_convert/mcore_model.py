@@ -146,6 +146,21 @@ def _attention_bias(hf: Any, arch: str) -> bool:
     return arch == "Qwen2ForCausalLM"
 
 
+def _sliding_window(hf: Any, arch: str) -> int | None:
+    """The attention window of every layer, None for full attention. HF applies `sliding_window` to every
+    layer unless the config lists `layer_types` (Qwen2/Qwen3: sliding only from `max_window_layers` on);
+    megatron's `window_size` is one for all layers, so a mix is refused rather than silently dropped."""
+    window = getattr(hf, "sliding_window", None)
+    kinds = set(getattr(hf, "layer_types", None) or ["sliding_attention"])
+    if not window or kinds == {"full_attention"}:
+        return None
+    if kinds != {"sliding_attention"}:
+        raise ValueError(f"{arch} with layer_types mixing full and sliding-window attention (sliding_window="
+                         f"{window}, max_window_layers={getattr(hf, 'max_window_layers', None)}): megatron applies one "
+                         "window to every layer; not supported")
+    return int(window)
+
+
 def mcore_model_config(hf_config: Any, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, cp: int = 1,
                        sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
                        overrides: dict | None = None, vocab_size: int | None = None) -> MCoreModelConfig:
@@ -179,10 +194,9 @@ def mcore_model_config(hf_config: Any, *, tp: int = 1, pp: int = 1, ep: int = 1,
         expert_tensor_parallel_size=etp or tp, context_parallel_size=cp, sequence_parallel=sequence_parallel,
         **moe,
     )
-    window = getattr(hf, "sliding_window", None)
-    if window and arch == "MistralForCausalLM":
-        # HF: query i sees keys j with i - j < sliding_window; megatron's window is (left, right) inclusive.
-        fields["window_size"] = (int(window) - 1, 0)
+    window = _sliding_window(hf, arch)
+    if window:  # HF: query i sees keys j with i - j < sliding_window; megatron's window is (left, right) inclusive
+        fields["window_size"] = (window - 1, 0)
     fields.update(overrides)
     pad_to = VOCAB_DIVISIBLE_BY * tp
     if vocab_size is None:
