@@ -95,6 +95,40 @@ def test_existing_output_is_refused(tiny_ckpts: dict, tmp_path: Path) -> None:
         convert_hf_to_mcore(tiny_ckpts["qwen2"], tmp_path / "out")
 
 
+def test_output_that_appears_during_the_conversion_is_left_alone(tiny_ckpts: dict, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """--out is checked at the start; a directory created there meanwhile (another conversion, a user) is
+    neither replaced nor mixed: an error, the temporary output removed."""
+    from ckpt_convert import hf_io
+
+    real_get = hf_io.HFSource.get
+
+    def get_then_race(self, name):
+        (tmp_path / "out").mkdir(exist_ok=True)
+        (tmp_path / "out" / "mine.txt").write_text("keep")
+        return real_get(self, name)
+
+    monkeypatch.setattr(hf_io.HFSource, "get", get_then_race)
+    with pytest.raises(FileExistsError, match="appeared while it was being written"):
+        convert_hf_to_mcore(tiny_ckpts["qwen2"], tmp_path / "out")
+    assert (tmp_path / "out" / "mine.txt").read_text() == "keep"
+    _assert_nothing_written(tmp_path, {"out"})
+
+
+def test_cli_errors_name_the_problem(tiny_ckpts: dict, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        main(["hf2mcore", "--hf", str(tiny_ckpts["qwen2"]), "--out", str(tmp_path / "o"), "--tp", "0"])
+    assert "--tp: must be >= 1; got 0" in capsys.readouterr().err
+    (tmp_path / "file").write_text("")
+    assert main(["hf2mcore", "--hf", str(tiny_ckpts["qwen2"]), "--out", str(tmp_path / "file" / "o")]) == 2
+    assert "file" in capsys.readouterr().err  # an OSError naming the path, not a traceback
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_ckpts["qwen2"], broken)
+    (broken / "config.json").write_text("{not json")
+    assert main(["hf2mcore", "--hf", str(broken), "--out", str(tmp_path / "o2")]) == 2
+    assert f"{broken / 'config.json'} is not valid JSON" in capsys.readouterr().err
+
+
 def test_failure_midway_leaves_nothing(tiny_ckpts: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An error while writing (after validation) removes the temporary directory."""
     from ckpt_convert import hf_io

@@ -4,9 +4,21 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 
 logger = logging.getLogger(__name__)
+
+
+def _size(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1; got {value}")
+    return value
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM (a scheduler stopping the job) unwinds like Ctrl-C: temp output removed
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,9 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     h2m = sub.add_parser("hf2mcore", help="HF safetensors -> megatron-core torch_dist checkpoint")
     h2m.add_argument("--hf", required=True, help="HF checkpoint directory (config.json + *.safetensors)")
     h2m.add_argument("--out", required=True, help="output directory (must not exist)")
-    h2m.add_argument("--tp", type=int, default=1, help="tensor parallel size (vocab padding, divisibility checks)")
-    h2m.add_argument("--pp", type=int, default=1, help="pipeline parallel size (divisibility check)")
-    h2m.add_argument("--ep", type=int, default=1, help="expert parallel size (MoE; divisibility check)")
+    h2m.add_argument("--tp", type=_size, default=1, help="tensor parallel size (vocab padding, divisibility checks)")
+    h2m.add_argument("--pp", type=_size, default=1, help="pipeline parallel size (divisibility check)")
+    h2m.add_argument("--ep", type=_size, default=1, help="expert parallel size (MoE; divisibility check)")
     h2m.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="stored dtype")
     m2h = sub.add_parser("mcore2hf", help="megatron-core checkpoint (+ ckpt_convert.json; e.g. a Megatron engine checkpoint) -> HF safetensors")
     m2h.add_argument("--mcore", required=True, help="megatron checkpoint directory")
@@ -31,14 +43,18 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("ckpt_convert").setLevel(logging.INFO)  # the conversion summary
     from ckpt_convert.convert import convert_hf_to_mcore, convert_mcore_to_hf
 
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         if args.command == "hf2mcore":
             out = convert_hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep, dtype=args.dtype)
         else:
             out = convert_mcore_to_hf(args.mcore, args.out)
-    except ValueError as err:
+    except (ValueError, OSError) as err:  # OSError: a path that cannot be read or written, named in err
         print(f"ckpt-convert {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"ckpt-convert {args.command}: interrupted; no output written", file=sys.stderr)
+        return 130
     print(out)
     return 0
 

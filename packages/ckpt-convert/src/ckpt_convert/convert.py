@@ -31,7 +31,13 @@ from ckpt_convert.dist_format import (
 )
 from ckpt_convert.hf_io import HFSource, write_hf_checkpoint
 from ckpt_convert.mapping import hf_names_for, hf_to_mcore_tensor, mcore_names, mcore_to_hf_tensors
-from ckpt_convert.mcore_model import MCoreModelConfig, hf_architecture, load_hf_config, mcore_model_config
+from ckpt_convert.mcore_model import (
+    MCoreModelConfig,
+    hf_architecture,
+    load_hf_config,
+    mcore_model_config,
+    read_json,
+)
 from rl_core.checkpoint_io import atomic_dir, write_manifest
 
 logger = logging.getLogger(__name__)
@@ -95,7 +101,7 @@ def load_model_config(ckpt_dir: str | os.PathLike, **kwargs: Any) -> tuple[Any, 
         raise ValueError(f"{path} not found: --mcore must be a checkpoint written by `ckpt-convert hf2mcore` "
                          "or MegatronEngine.save_checkpoint (or one with ckpt_convert.convert.save_model_config "
                          "beside it)")
-    saved = json.loads(path.read_text())
+    saved = read_json(path)
     hf_dict = dict(saved["hf_config"])
     hf_architecture(hf_dict)
     hf_config = AutoConfig.for_model(hf_dict.pop("model_type"), **hf_dict)
@@ -157,7 +163,7 @@ def convert_hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *
         return tensor.to(chunk.dtype).reshape(chunk.sizes)
 
     try:
-        with atomic_dir(new_output_dir(out_dir)) as tmp:
+        with atomic_dir(new_output_dir(out_dir), replace=False) as tmp:
             write_checkpoint(tmp, chunks, resolve)
             save_model_config(tmp, hf_config, cfg, tp=tp, pp=pp, ep=ep, dtype=dtype)
             _copy_hf_files(hf_dir, tmp / HF_FILES_DIR)
@@ -204,7 +210,7 @@ def convert_mcore_to_hf(mcore_dir: str | os.PathLike, out_dir: str | os.PathLike
         plan.append([(n, tuple(t.shape), t.dtype) for n, t in mcore_to_hf_tensors(cfg, hf_config, name, meta)])
     tensors = (pair for name, (key, prefix) in zip(tqdm(names, desc="mcore2hf", unit="tensor", disable=None), sources)
                for pair in mcore_to_hf_tensors(cfg, hf_config, name, reader.read(key, prefix)))
-    with atomic_dir(new_output_dir(out_dir)) as tmp:
+    with atomic_dir(new_output_dir(out_dir), replace=False) as tmp:
         num_params = write_hf_checkpoint(tmp, plan, tensors, hf_config, mcore_dir / HF_FILES_DIR,
                                          max_shard_bytes=max_shard_bytes)
         output_bytes = _dir_bytes(tmp)

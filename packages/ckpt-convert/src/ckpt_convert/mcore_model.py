@@ -61,6 +61,14 @@ class MCoreModelConfig:
         return self.arch in MOE_ARCHITECTURES
 
 
+def read_json(path: Path) -> Any:
+    """A JSON file's content; ValueError naming the file when it is not JSON."""
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc}); restore it from the source checkpoint") from exc
+
+
 def load_hf_config(hf_dir: str | os.PathLike, source: str = "--hf") -> Any:
     """Read `hf_dir/config.json` as a transformers config; error if the architecture is not supported.
     `source` names where `hf_dir` came from (a CLI flag, a config key) in the error."""
@@ -69,7 +77,7 @@ def load_hf_config(hf_dir: str | os.PathLike, source: str = "--hf") -> Any:
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
         raise ValueError(f"{path} not found: {source} must be a Hugging Face checkpoint directory with config.json")
-    raw = json.loads(path.read_text())
+    raw = read_json(path)
     arch = hf_architecture(raw)
     config = AutoConfig.from_pretrained(str(hf_dir))
     config.architectures = [arch]

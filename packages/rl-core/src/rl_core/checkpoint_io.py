@@ -67,13 +67,16 @@ def _fsync_tree(root: Path) -> None:
             os.fsync(f.fileno())
 
 
-def publish_dir(tmp: str | os.PathLike, final: str | os.PathLike) -> None:
+def publish_dir(tmp: str | os.PathLike, final: str | os.PathLike, *, replace: bool = True) -> None:
     """Make the complete directory `tmp` appear as `final` (replacing an existing one) after syncing it.
 
     An existing `final` is moved aside first and removed after the rename, so a crash in between leaves
-    `final.old` and `tmp` (both ignored by readers), never a mix of the two versions.
+    `final.old` and `tmp` (both ignored by readers), never a mix of the two versions. `replace=False`: an
+    existing `final` (one that appeared since the caller checked) is FileExistsError, left as it is.
     """
     tmp, final = Path(tmp), Path(final)
+    if not replace and final.exists():
+        raise FileExistsError(f"{final} appeared while it was being written; it was left alone (nothing written)")
     _fsync_tree(tmp)
     old = final.with_name(final.name + ".old")
     shutil.rmtree(old, ignore_errors=True)
@@ -85,14 +88,15 @@ def publish_dir(tmp: str | os.PathLike, final: str | os.PathLike) -> None:
 
 
 @contextlib.contextmanager
-def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
-    """A fresh temporary sibling of `final` to fill; published as `final` on success, removed on error."""
+def atomic_dir(final: str | os.PathLike, *, replace: bool = True) -> Iterator[Path]:
+    """A fresh temporary sibling of `final` to fill; published as `final` on success (`replace`: see
+    `publish_dir`), removed on error."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-"))
     try:
         yield tmp
-        publish_dir(tmp, final)
+        publish_dir(tmp, final, replace=replace)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
