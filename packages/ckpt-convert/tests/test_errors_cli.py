@@ -198,3 +198,18 @@ def test_mcore2hf_verifies_the_manifest_before_unpickling_metadata(tiny_ckpts: d
     assert not marker.exists() and not (tmp_path / "hf").exists()
     pickle.loads(crafted)  # the payload is real: unpickled unchecked, it runs
     assert marker.exists()
+
+
+def test_default_dtype_keeps_the_checkpoints(tmp_path: Path) -> None:
+    """A bf16 checkpoint round-trips as bf16 without --dtype (it came back fp32: twice the size)."""
+    import torch
+
+    from rl_core.testing.tiny_models import build_tiny_model, build_tokenizer
+
+    build_tiny_model("qwen3", dtype=torch.bfloat16, vocab_size=100).save_pretrained(tmp_path / "hf")
+    build_tokenizer().save_pretrained(tmp_path / "hf")
+    assert main(["hf2mcore", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "m")]) == 0
+    assert main(["mcore2hf", "--mcore", str(tmp_path / "m"), "--out", str(tmp_path / "back")]) == 0
+    source, back = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert source.keys() == back.keys() and all(back[k].dtype == torch.bfloat16 and back[k].equal(source[k])
+                                                  for k in source)

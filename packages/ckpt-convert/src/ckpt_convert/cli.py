@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     h2m.add_argument("--tp", type=_size, default=1, help="tensor parallel size (vocab padding, divisibility checks)")
     h2m.add_argument("--pp", type=_size, default=1, help="pipeline parallel size (divisibility check)")
     h2m.add_argument("--ep", type=_size, default=1, help="expert parallel size (MoE; divisibility check)")
-    h2m.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="stored dtype")
+    h2m.add_argument("--dtype", choices=["fp32", "bf16"], default=None,
+                     help="stored dtype (default: the HF checkpoint's; bf16 stays bf16, anything else is fp32)")
     m2h = sub.add_parser("mcore2hf", help="megatron-core checkpoint (+ ckpt_convert.json; e.g. a Megatron engine checkpoint) -> HF safetensors")
     m2h.add_argument("--mcore", required=True, help="megatron checkpoint directory")
     m2h.add_argument("--out", required=True, help="output directory (must not exist)")

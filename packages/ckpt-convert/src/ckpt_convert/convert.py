@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -138,15 +139,19 @@ def _plan_chunks(cfg: MCoreModelConfig, source: HFSource, dtype: torch.dtype) ->
 
 
 def convert_hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tp: int = 1, pp: int = 1,
-                        ep: int = 1, dtype: str = "fp32") -> Path:
-    """Convert an HF checkpoint to a megatron-core torch_dist checkpoint (+ ckpt_convert.json)."""
-    if dtype not in DTYPES:
+                        ep: int = 1, dtype: str | None = None) -> Path:
+    """Convert an HF checkpoint to a megatron-core torch_dist checkpoint (+ ckpt_convert.json). `dtype`
+    "fp32" or "bf16"; None keeps the checkpoint's (bf16 when most of its tensors are, else fp32)."""
+    if dtype not in (None, *DTYPES):
         raise ValueError(f"dtype={dtype!r} is not supported; choose one of {sorted(DTYPES)}")
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     hf_config = load_hf_config(hf_dir)
+    source = HFSource(hf_dir)
+    if dtype is None:
+        counts = Counter(source.dtypes.values())
+        dtype = "bf16" if counts and counts.most_common(1)[0][0] == torch.bfloat16 else "fp32"
     cfg = mcore_model_config(hf_config, tp=tp, pp=pp, ep=ep, params_dtype=DTYPES[dtype])
     start = time.perf_counter()  # after the config: the first megatron import is not conversion time
-    source = HFSource(hf_dir)
     chunks, name_of = _plan_chunks(cfg, source, DTYPES[dtype])
     progress = tqdm(total=len(chunks), desc="hf2mcore", unit="tensor", disable=None)
     num_params = sum(source.meta(h).numel() for n in mcore_names(cfg) for h in hf_names_for(cfg, n))
