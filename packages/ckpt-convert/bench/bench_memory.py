@@ -3,9 +3,10 @@
     uv run python packages/ckpt-convert/bench/bench_memory.py [--gb 1.0] [--shard-mb 256]
 
 Builds the checkpoint shard by shard (random weights, a Llama config with hidden size 2048) in a temp dir,
-then runs each conversion in a fresh subprocess and reports that process's peak RSS (ru_maxrss) minus its
+then runs each conversion in a fresh subprocess and reports that process's peak RSS (VmHWM) minus its
 RSS after imports (torch + megatron + transformers, which every conversion pays), against the largest
-input shard. Target: peak - baseline <= 1.5 x largest shard.
+input shard. Target: peak - baseline <= 1.5 x largest shard. (Not ru_maxrss: Linux carries it across exec, so
+a child reports the peak of the parent that built the checkpoint.)
 """
 
 from __future__ import annotations
@@ -20,18 +21,21 @@ from pathlib import Path
 import torch
 
 CHILD = r"""
-import json, resource, sys, time, psutil
+import json, sys, time, psutil
 from ckpt_convert.convert import convert_hf_to_mcore, convert_mcore_to_hf
 import megatron.core, transformers  # noqa: F401  (imported before the baseline)
 base = psutil.Process().memory_info().rss
-peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def high_water_mark():  # VmHWM: peak RSS of this process image, reset at exec
+    line = next(l for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+peak_before = high_water_mark()
 t0 = time.perf_counter()
 if sys.argv[1] == "hf2mcore":
     convert_hf_to_mcore(sys.argv[2], sys.argv[3])
 else:
     convert_mcore_to_hf(sys.argv[2], sys.argv[3], max_shard_bytes=int(sys.argv[4]))
 print(json.dumps({"baseline": base, "peak_before": peak_before, "seconds": time.perf_counter() - t0,
-                  "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+                  "peak": high_water_mark()}))
 """
 
 
