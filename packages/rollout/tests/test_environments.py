@@ -89,6 +89,7 @@ def test_numpy_scalar_rewards_are_numbers():
     assert normalize_result(np.int64(1)) == (1.0, None)
     assert normalize_result({"reward": np.float64(0.25), "correct": np.bool_(True)}) == (0.25, True)
     assert normalize_result(True) == (1.0, True)
+    assert normalize_result(np.bool_(False)) == (0.0, False)
     for bad in ["1.0", b"1", None, np.float32("nan"), {"reward": float("inf")}]:
         with pytest.raises(TypeError, match="expected a finite float"):
             normalize_result(bad)

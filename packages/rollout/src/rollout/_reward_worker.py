@@ -35,7 +35,7 @@ def resolve_function(path: str) -> Any:
 def normalize_result(value: Any) -> tuple[float, bool | None]:
     """A reward function's return (real number, bool, dict or object with .reward) -> (reward, correct).
 
-    Any `numbers.Real` counts, so NumPy scalars (np.float32, np.int64) do; strings do not."""
+    Any `numbers.Real` counts, so NumPy scalars (np.float32, np.int64) do, and np.bool_ as a bool; strings do not."""
     correct = None
     if isinstance(value, dict):
         correct = value.get("correct")
@@ -43,8 +43,8 @@ def normalize_result(value: Any) -> tuple[float, bool | None]:
     elif hasattr(value, "reward"):
         correct = getattr(value, "correct", None)
         value = value.reward
-    if isinstance(value, bool):
-        correct = value if correct is None else correct
+    if isinstance(value, bool) or getattr(getattr(value, "dtype", None), "kind", None) == "b":  # bool, np.bool_
+        correct = bool(value) if correct is None else correct
         value = float(value)
     if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
         raise TypeError(f"reward function returned {value!r}; expected a finite float (or bool, or "
