@@ -36,10 +36,6 @@ def bench_model_path() -> Path:
     return path
 
 
-def count_params(model: Any) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 

@@ -25,7 +25,7 @@ from grpo_app.metrics_sink import MetricsSink
 from grpo_app.prompts import PromptSource
 from rl_core.advantages import grpo_advantages
 from rl_core.batch import TokenBatch
-from rl_core.filters import dynamic_sampling_keep
+from rl_core.filters import dynamic_sampling_keep, overlong_loss_mask
 from rl_core.interfaces import Completion, RewardRequest, SamplingParams
 from rl_core.losses import ClippedPGLoss
 from rollout.datasets import PromptExample
@@ -98,11 +98,12 @@ def build_batch(prompts: list[PromptExample], completions: list[Completion], adv
         n_prompt, n_total = len(prompt), len(prompt) + len(c.token_ids)
         input_ids.append(torch.tensor(prompt + c.token_ids, dtype=torch.long))
         mask = torch.zeros(n_total)
-        if not (overlong_filtering and c.finish_reason == "length"):
-            mask[n_prompt:] = 1.0
+        mask[n_prompt:] = 1.0
         loss_mask.append(mask)
         adv.append(torch.full((n_total,), a))
         gen.append(torch.cat([torch.zeros(n_prompt), torch.tensor(c.logprobs, dtype=torch.float32)]))
+    if overlong_filtering:  # DAPO: a cut-off completion's reward says nothing about its missing end
+        loss_mask = overlong_loss_mask(loss_mask, [c.finish_reason == "length" for c in completions])
     return TokenBatch(input_ids=input_ids, loss_mask=loss_mask, advantages=adv, gen_logprobs=gen)
 
 

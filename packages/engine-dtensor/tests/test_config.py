@@ -43,7 +43,7 @@ def test_precision_resolution_and_cross_field_checks() -> None:
 
 def test_parallel_dims_product_must_equal_world() -> None:
     dims = ParallelDims.from_world(4, 2)
-    assert (dims.dp, dims.tp, dims.dp_enabled, dims.tp_enabled) == (2, 2, True, True)
+    assert (dims.dp, dims.tp, dims.tp_enabled) == (2, 2, True)
     with pytest.raises(ValueError, match=r"dp\(2\) \* tp\(2\) != WORLD_SIZE\(3\)"):
         ParallelDims(dp=2, tp=2, world_size=3)
     with pytest.raises(ValueError, match="does not divide"):

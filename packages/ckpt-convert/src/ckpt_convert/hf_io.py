@@ -63,10 +63,6 @@ class HFSource:
             raise ValueError(f"{file} is not a valid safetensors file ({err}); re-download or re-save "
                              "the checkpoint") from err
 
-    @property
-    def largest_file_bytes(self) -> int:
-        return max(f.stat().st_size for f in self.files)
-
     def meta(self, name: str) -> torch.Tensor:
         """A meta tensor with the stored shape and dtype (for planning without reading data)."""
         return torch.empty(self.shapes[name], dtype=self.dtypes[name], device="meta")

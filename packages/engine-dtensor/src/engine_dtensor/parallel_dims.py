@@ -38,10 +38,6 @@ class ParallelDims:
         return cls(dp=world_size // tp, tp=tp, world_size=world_size)
 
     @property
-    def dp_enabled(self) -> bool:
-        return self.dp > 1
-
-    @property
     def tp_enabled(self) -> bool:
         return self.tp > 1
 
