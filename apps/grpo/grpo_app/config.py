@@ -3,8 +3,8 @@ dotted command-line overrides, validated before any worker starts.
 
 Owns: the YAML loader, override parsing, and the trainer-level sections (grpo, generation, env,
 cluster, logger, checkpointing). Reuses the packages' own schemas for `policy` (rl_core.config) and
-`loss` (rl_core.losses); engine-specific sections are validated by the engine when it is built and,
-early, by `validate_engine_section` here.
+`loss` (rl_core.losses); engine-specific sections are validated by the engine's `validate_config`, early
+in `grpo_app.preflight` and again when the engine is built.
 """
 
 from __future__ import annotations
