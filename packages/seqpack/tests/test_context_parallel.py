@@ -93,3 +93,11 @@ def test_bad_layouts_and_ranks():
         cp_gather([torch.ones(4)], layout, 2)
     with pytest.raises(ValueError, match="shard of rank 1 has shape"):
         cp_gather([torch.ones(4), torch.ones(3)], layout, 2)
+
+
+def test_one_cp_rank_holds_the_whole_row_for_any_layout():
+    # cp_size=1 used to demand padded lengths that are multiples of 2 (the 2-chunk split of cp>1)
+    row, layout = pack([torch.randn(5, 2), torch.randn(3, 2)], total_multiple=3)
+    assert cp_shard_indices(layout, 1, 0).tolist() == list(range(layout.total_len))
+    assert torch.equal(cp_shard(row, layout, 1, 0), row)
+    assert torch.equal(cp_gather([row], layout, 1), row)

@@ -81,3 +81,31 @@ def test_every_dp_rank_runs_the_busiest_ranks_count(limits: dict) -> None:
             rounded = [-(-lengths[i] // limits.get("round_to", 1)) * limits.get("round_to", 1) for i in mb]
             used = sum(rounded) if limits.get("packing") else len(rounded) * max(rounded, default=0)
             assert used <= limits.get("max_tokens", used)
+
+
+
+def _plan_or_error(rank: int, world_size: int, per_rank_lengths: list[list[int]], limits: dict) -> tuple[str, float]:
+    import time
+
+    start = time.perf_counter()
+    try:
+        result = f"planned {plan_dp_micro_batches(per_rank_lengths[rank], **limits).micro_batches}"
+    except Exception as exc:  # noqa: BLE001 - the error is the result under test
+        result = f"{type(exc).__name__}: {exc}"
+    waited = time.perf_counter() - start
+    if rank == 0:
+        time.sleep(3)  # the failing process lives on (a Ray actor outlives its method's exception)
+    return result, waited
+
+
+@pytest.mark.distributed
+def test_a_rank_that_cannot_plan_stops_every_rank_instead_of_hanging() -> None:
+    """Rank 0 holds a sequence over the budget. It used to raise before the count's all-reduce, leaving rank 1
+    blocked in it for as long as rank 0's process lived (in a job: until the NCCL timeout); now both raise
+    at once."""
+    limits = dict(max_tokens=64, packing=True)
+    (error0, _), (error1, waited1) = run_distributed(_plan_or_error, world_size=2,
+                                                     args=([[10, 100], [10, 20]], limits), timeout=60)
+    assert error0.startswith("ValueError: sequence 1 has length 100") and "max_tokens=64" in error0
+    assert error1.startswith("RuntimeError: micro-batch planning failed on DP rank 0")
+    assert waited1 < 3  # did not wait for rank 0's process to go away

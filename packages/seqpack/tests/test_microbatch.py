@@ -117,3 +117,6 @@ def test_bad_input():
         plan_micro_batches([3], max_tokens=0)
     with pytest.raises(ValueError, match="min_micro_batches must be >= 1"):
         plan_micro_batches([3], min_micro_batches=0)
+    for limits in (dict(max_tokens=10), dict(max_seqs=1), {}):  # without a token budget no bin is packed
+        with pytest.raises(ValueError, match="algorithm='fdd' is not a bin-packing algorithm"):
+            plan_micro_batches([3, 4], packing=True, algorithm="fdd", **limits)

@@ -4,6 +4,9 @@ Owns `cp_shard_indices`, `cp_shard` and `cp_gather`. Each padded sequence (and t
 any) is cut into 2*cp_size equal chunks and rank r keeps chunks r and 2*cp_size-1-r: with causal attention
 chunk j costs ~j, so every rank gets the same work (r + 2cp-1-r). The row layout itself is
 `seqpack.layout`; pack with `pad_multiple` a multiple of 2*cp_size so the chunks are whole tokens.
+cp_size=1 is the identity on any layout. The tail is its own segment here: a row handed to TE's THD attention
+(which cuts every [cu_seqlens_padded[i], cu_seqlens_padded[i+1]) the same way) must describe it as one, or
+have none; folding the tail into the last sequence's padding there splits that sequence differently.
 """
 
 from __future__ import annotations
@@ -59,8 +62,10 @@ def cp_shard_indices(layout: PackedLayout, cp_size: int, cp_rank: int) -> Tensor
     Per segment: chunk cp_rank then chunk 2*cp_size-1-cp_rank, segments in row order.
     """
     cp_size = _check_cp(cp_size, cp_rank)
-    starts, lens = _segments(layout, cp_size)
     device = layout.position_ids.device
+    if cp_size == 1:  # the whole row, in order: no 2-chunk split, so no even-length requirement either
+        return torch.arange(layout.total_len, device=device)
+    starts, lens = _segments(layout, cp_size)
     seg_start = torch.tensor(starts, dtype=torch.int64, device=device)
     chunk = torch.tensor(lens, dtype=torch.int64, device=device) // (2 * cp_size)  # (num_segments,)
     first = seg_start + cp_rank * chunk

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ._validate import as_lengths, check_positive_int
 from .balance import balance_partitions
-from .binpack import pack_bins
+from .binpack import ALGORITHMS, pack_bins
 from .layout import round_up
 
 logger = logging.getLogger(__name__)
@@ -105,6 +105,11 @@ def plan_micro_batches(
     max_tokens = None if max_tokens is None else check_positive_int(max_tokens, "max_tokens")
     max_seqs = None if max_seqs is None else check_positive_int(max_seqs, "max_seqs")
     window = len(arr) if sort_window is None else check_positive_int(sort_window, "sort_window")
+    # Checked here, not only in pack_bins: without max_tokens no bin is packed and a typo went unnoticed.
+    if packing and algorithm not in ALGORITHMS:
+        raise ValueError(
+            f"algorithm={algorithm!r} is not a bin-packing algorithm; choose one of {sorted(ALGORITHMS)}"
+        )
     costs = -(-arr // round_to) * round_to
     if max_tokens is not None:
         over = np.flatnonzero(costs > max_tokens)
@@ -145,13 +150,33 @@ def plan_dp_micro_batches(
     padded layout with a length quantum as well: `math.lcm` of both), so a micro-batch's cost is never less
     than the tokens the engine runs. `device`: where the count is reduced (cuda for an NCCL group).
     Without an initialised process group (or with one rank) this is `plan_micro_batches`.
+    A rank whose own plan fails (e.g. a sequence longer than `max_tokens`) still joins the count's all-reduce,
+    flagging the failure, and then every rank raises: the failing rank its own error, the others a
+    RuntimeError naming it.
     """
-    plan = plan_micro_batches(lengths, **limits)
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return plan
-    count = torch.tensor([plan.num_micro_batches], dtype=torch.int64, device=device)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
-    most = int(count.item())
+        return plan_micro_batches(lengths, **limits)
+    # Raising before the collective would leave every other rank blocked in it until the process group's
+    # timeout (10 min for NCCL, 30 for gloo) with the error in one rank's log only: the failure rides along
+    # with the count instead.
+    plan: MicroBatchPlan | None = None
+    error: Exception | None = None
+    try:
+        plan = plan_micro_batches(lengths, **limits)
+    except Exception as exc:  # noqa: BLE001 - re-raised below, after the collective
+        error = exc
+    rank = dist.get_rank(group)
+    # [micro-batch count, 1 + rank of a failing rank (0: none failed)], both reduced with max
+    state = torch.tensor([0 if plan is None else plan.num_micro_batches, 0 if error is None else rank + 1],
+                         dtype=torch.int64, device=device)
+    dist.all_reduce(state, op=dist.ReduceOp.MAX, group=group)
+    most, failed = state.tolist()
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError(f"micro-batch planning failed on DP rank {failed - 1} of the group (its error is in "
+                           "that rank's log); every rank stops here instead of waiting in a collective")
+    assert plan is not None
     if most == plan.num_micro_batches:
         return plan
     return plan_micro_batches(lengths, **{**limits, "min_micro_batches": most})
