@@ -1,10 +1,11 @@
 """balance_partitions: partitions are exact covers, equal_size counts, Karmarkar-Karp never worse than a
-hand-written greedy reference, the k=2 differencing core against the classic number-differencing spread,
-and input errors."""
+hand-written greedy reference, KK alone within its spread bound and optimal where greedy is not (k=3, brute
+force), the k=2 differencing core against the classic number-differencing spread, and input errors."""
 
 from __future__ import annotations
 
 import heapq
+import itertools
 
 import pytest
 from hypothesis import given, settings
@@ -68,6 +69,35 @@ def test_two_way_differencing_matches_classic_number_differencing(lengths):
         heapq.heappush(heap, -(a - b))
     parts = _karmarkar_karp(list(lengths), 2, equal_size=False)
     assert abs(sums(lengths, parts)[0] - sums(lengths, parts)[1]) == -heap[0]
+
+
+def brute_force_spread(lengths, k):
+    """The smallest spread of any assignment of the sequences to k partitions (small inputs only)."""
+    best = None
+    for assign in itertools.product(range(k), repeat=len(lengths)):
+        totals = [0] * k
+        for n, part in zip(lengths, assign):
+            totals[part] += n
+        best = min(best if best is not None else max(totals), max(totals) - min(totals))
+    return best
+
+
+@FAST
+@given(lengths=lengths_st, k=st.integers(2, 9), equal_size=st.booleans())
+def test_kk_alone_spreads_no_wider_than_the_longest_sequence(lengths, k, equal_size):
+    # Karmarkar-Karp itself, not balance_partitions (which falls back to greedy): merging two partial
+    # solutions heaviest-with-lightest never widens the larger of their spreads, and every seed solution
+    # (one sequence, or k of them) spreads at most the longest sequence.
+    parts = _karmarkar_karp(list(lengths), k, equal_size)
+    assert sorted(i for p in parts for i in p) == list(range(len(lengths)))
+    assert partition_spread(lengths, parts) <= max(lengths)
+
+
+@pytest.mark.parametrize("lengths,optimum", [([22, 11, 16, 18, 4, 12, 14], 1), ([18, 22, 13, 27, 23, 17, 9], 3)])
+def test_three_way_kk_finds_the_optimum_greedy_misses(lengths, optimum):
+    assert brute_force_spread(lengths, 3) == optimum
+    assert reference_greedy_spread(lengths, 3) >= optimum + 3
+    assert partition_spread(lengths, _karmarkar_karp(lengths, 3, equal_size=False)) == optimum
 
 
 def test_kk_finds_the_perfect_split_greedy_misses():
