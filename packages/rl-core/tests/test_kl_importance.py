@@ -93,9 +93,20 @@ def test_importance_weights_match_reference(data, level, mode, bounds):
     t = lambda xs: torch.tensor(xs, dtype=torch.float64)  # noqa: E731
     weights, metrics = importance_weights(t(prev), t(gen), t(mask), torch.tensor(seq), level=level, mode=mode,
                                           low=low, high=high)
-    assert weights.tolist() == pytest.approx(is_reference(prev, gen, mask, seq, level, mode, low, high),
-                                             rel=1e-10, abs=1e-12)
+    want_w = is_reference(prev, gen, mask, seq, level, mode, low, high)
+    assert weights.tolist() == pytest.approx(want_w, rel=1e-10, abs=1e-12)
     valid = max(sum(mask), 1)
+    assert float(metrics["is_weight_mean"]) == pytest.approx(sum(want_w) / valid, rel=1e-10, abs=1e-12)
+    assert float(metrics["is_weight_max"]) == pytest.approx(max(want_w), rel=1e-10, abs=1e-12)
+    # out of bounds: the weight a bound changed (clamped or zeroed; seq-mask-tis: the sequence's mean ratio)
+    untouched = is_reference(prev, gen, mask, seq, level, None, low, high)
+    if mode == "seq-mask-tis":
+        oob = sum(1 for t in range(len(prev)) if mask[t] and want_w[t] == 0.0)
+    elif mode is not None:
+        oob = sum(1 for t in range(len(prev)) if mask[t] and not low <= untouched[t] <= high)
+    else:
+        oob = 0
+    assert float(metrics["is_oob_fraction"]) == pytest.approx(oob / valid, abs=1e-12)
     want_err = sum(math.exp(abs(g - p)) * m for p, g, m in zip(prev, gen, mask)) / valid
     assert float(metrics["token_mult_prob_error"]) == pytest.approx(want_err, rel=1e-12)
     assert float(metrics["gen_kl"]) == pytest.approx(sum((g - p) * m for p, g, m in zip(prev, gen, mask)) / valid,

@@ -16,21 +16,33 @@ from rl_core.losses import ClippedPGLoss, LossConfig, clipped_pg_loss
 AGGS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 
 
+def tokens_by_sequence(seq):
+    out = {}
+    for t, s in enumerate(seq):
+        out.setdefault(s, []).append(t)
+    return out
+
+
+def reference_ratios(lp, prev, mask, seq, gspo):
+    """Per-token ratio pi/pi_old; GSPO: the geometric mean over the sequence's unmasked tokens."""
+    if not gspo:
+        return [math.exp(a - b) for a, b in zip(lp, prev)]
+    seq_tokens = tokens_by_sequence(seq)
+    def seq_ratio(s):
+        toks = [u for u in seq_tokens[s] if mask[u] > 0]
+        return math.exp(sum(lp[u] - prev[u] for u in toks) / max(len(toks), 1))
+    return [seq_ratio(s) for s in seq]
+
+
 def loss_reference(lp, prev, adv, mask, seq, *, eps_low, eps_high, dual_clip, agg, n_tok, n_seq,
                    ref=None, kl_coef=0.0, gspo=False):
     """Python floats, straight from the formula in rl_core.losses' docstring (k3 KL, clamps 20/10)."""
     n = len(lp)
-    seq_tokens = {}
-    for t in range(n):
-        seq_tokens.setdefault(seq[t], []).append(t)
-    def ratio(t):
-        if not gspo:
-            return math.exp(lp[t] - prev[t])
-        toks = [u for u in seq_tokens[seq[t]] if mask[u] > 0]
-        return math.exp(sum(lp[u] - prev[u] for u in toks) / max(len(toks), 1))
+    seq_tokens = tokens_by_sequence(seq)
+    ratios = reference_ratios(lp, prev, mask, seq, gspo)
     per_token = []
     for t in range(n):
-        r = ratio(t)
+        r = ratios[t]
         pg = max(-adv[t] * r, -adv[t] * min(max(r, 1 - eps_low), 1 + eps_high))
         if dual_clip is not None and adv[t] < 0:
             pg = min(pg, -adv[t] * dual_clip)
@@ -78,6 +90,20 @@ def test_loss_matches_reference(rows, agg, dual, eps, kl, gspo):
     )
     if not gspo:
         assert float(metrics["clip_fraction"]) == pytest.approx(clipped / n_tok, abs=1e-12)
+    # the other metrics, each from its definition over the unmasked tokens
+    ratios = reference_ratios(lp, prev, mask, seq, gspo)
+    kept = [t for t in range(len(lp)) if mask[t] > 0]
+    assert float(metrics["ratio_mean"]) == pytest.approx(sum(ratios[t] for t in kept) / n_tok, rel=1e-10, abs=1e-12)
+    if kept:
+        assert float(metrics["ratio_min"]) == pytest.approx(min(ratios[t] for t in kept), rel=1e-12)
+        assert float(metrics["ratio_max"]) == pytest.approx(max(ratios[t] for t in kept), rel=1e-12)
+    assert float(metrics["advantages_mean"]) == pytest.approx(sum(adv[t] for t in kept) / n_tok, abs=1e-12)
+    k3 = [min(max(math.exp(r) - 1 - r, -10.0), 10.0) for r in (min(max(ref[t] - lp[t], -20.0), 20.0) for t in kept)]
+    assert float(metrics["kl"]) == pytest.approx(sum(k3) / n_tok, rel=1e-10, abs=1e-12)
+    if dual is not None:
+        active = sum(1 for t in kept if adv[t] < 0 and max(-adv[t] * ratios[t], -adv[t] * min(
+            max(ratios[t], 1 - eps[0]), 1 + eps[1])) > -adv[t] * dual)
+        assert float(metrics["dual_clip_fraction"]) == pytest.approx(active / n_tok, abs=1e-12)
 
 
 def test_on_policy_gradient_is_minus_advantage_over_tokens():
