@@ -81,7 +81,11 @@ def test_dynamic_sampling_refills_with_groups_that_have_variance():
 
 def test_without_dynamic_sampling_every_group_is_kept():
     prompts, completions, rewards, _ = sample_groups(make_run(), 0, PhaseTimer())
-    assert len(prompts) == 3 and len(completions) == 6 and len(rewards) == 6
+    assert len({p.prompt for p in prompts}) == 3  # three different prompts of the source
+    assert [c.prompt_index for c in completions] == [0, 0, 1, 1, 2, 2]
+    # zero-variance groups (even prompts) kept: each group's rewards are the stub's for that prompt
+    assert rewards.tolist() == [float(prompts[c.prompt_index].metadata["odd"]) * (k % 2)
+                                for k, c in enumerate(completions)]
 
 
 def test_batch_rows_masks_and_logprobs_are_aligned():
@@ -103,7 +107,9 @@ def test_prev_logprob_pass_runs_only_with_several_optimizer_steps_per_batch():
     off_policy = make_run("policy.train_global_batch_size=2", "loss.kl_coef=0.1")  # 3 steps: weights move
     grpo_step(off_policy, 0)
     assert off_policy.workers.logprob_calls == [False, True]  # prev, then the reference
-    assert off_policy.workers.trained[0].prev_logprobs is not None
+    trained = off_policy.workers.trained[0]  # the stub's logprob pass returns zeros: those are prev and ref
+    assert [t.tolist() for t in trained.prev_logprobs] == [[0.0] * len(ids) for ids in trained.input_ids]
+    assert [t.tolist() for t in trained.ref_logprobs] == [[0.0] * len(ids) for ids in trained.input_ids]
 
 
 def test_scoring_overlaps_generation_and_changes_no_result():
