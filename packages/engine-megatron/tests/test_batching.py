@@ -58,6 +58,35 @@ def test_packed_padding_and_pipeline_tail_belong_to_the_sequences() -> None:
         assert mb.packed_seq_params.max_seqlen_q == max(b - a for a, b in zip(padded, padded[1:]))
 
 
+def te_thd_partition(cu_seqlens_padded: list[int], cp_size: int, cp_rank: int) -> list[int]:
+    """Transformer Engine's THD context-parallel split, from its definition: every padded segment
+    [cu[i], cu[i+1]) in 2*CP equal chunks, rank r keeping chunks r and 2*CP-1-r."""
+    out = []
+    for start, end in zip(cu_seqlens_padded[:-1], cu_seqlens_padded[1:]):
+        chunk = (end - start) // (2 * cp_size)
+        for j in (cp_rank, 2 * cp_size - 1 - cp_rank):
+            out += range(start + j * chunk, start + (j + 1) * chunk)
+    return out
+
+
+def test_pipeline_padded_packed_rows_split_for_context_parallel_as_te_does() -> None:
+    """PP pads every packed row to one width; with CP each rank's shard must be the positions TE's THD
+    attention computes from cu_seqlens_q_padded, and of one shape on every micro-batch (p2p sends)."""
+    cp = 2
+    batch = random_token_batch(VOCAB, [13, 3, 4, 2])
+    plan = seqpack.plan_micro_batches(batch.lengths, max_tokens=16, packing=True, round_to=2 * cp)
+    full = batching.build_micro_batches(batch, plan, _settings(True, cp=cp), uniform_shape=True)
+    assert len(full) > 1 and len({mb.shape for mb in full}) == 1
+    for rank in range(cp):
+        shards = batching.build_micro_batches(batch, plan, _settings(True, cp=cp), uniform_shape=True,
+                                              cp_rank=rank, cp_size=cp)
+        assert {mb.shape for mb in shards} == {(1, full[0].shape[1] // cp)}
+        for whole, shard in zip(full, shards):
+            index = te_thd_partition(shard.packed_seq_params.cu_seqlens_q_padded.tolist(), cp, rank)
+            assert shard.tokens[0].tolist() == whole.tokens[0, index].tolist()
+            assert shard.targets[0].tolist() == whole.targets[0, index].tolist()
+
+
 def _stand_in(mb: batching.MicroBatch) -> torch.Tensor:
     """A per-position value that depends on the token and its target, (B, S) float64."""
     return mb.tokens.double() * 1000 + mb.targets.double()

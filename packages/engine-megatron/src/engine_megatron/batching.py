@@ -14,6 +14,7 @@ start .. start+L-2 and is shifted right by one (rl_core's alignment: 0 at t = 0)
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,7 +75,9 @@ def build_micro_batches(batch: TokenBatch, mb_plan: seqpack.MicroBatchPlan, sett
         mbs = [_pad_to(mb, rows, cols) for mb in mbs]
     if settings.packing:  # after _pad_to: the row's tail padding belongs to its last sequence
         for mb in mbs:
-            mb.packed_seq_params = _thd_params(mb)
+            mb.layout = _absorb_tail(mb.layout, mb.shape[1])
+            mb.position_ids = mb.layout.position_ids[None].long()
+            mb.packed_seq_params = _thd_params(mb.layout)
     if cp_size > 1:
         mbs = [_cp_shard(mb, cp_rank, cp_size) for mb in mbs]
     return mbs
@@ -110,16 +113,32 @@ def _pad_to(mb: MicroBatch, rows: int, cols: int) -> MicroBatch:
     positions = grow(mb.position_ids)
     positions[:, s:] = torch.arange(s, cols)
     mb.tokens, mb.position_ids, mb.targets = grow(mb.tokens), positions, grow(mb.targets)
-    mb.extra["padded_cols"] = cols
     return mb
 
 
-def _thd_params(mb: MicroBatch) -> Any:
+def _absorb_tail(layout: seqpack.PackedLayout, total_len: int) -> seqpack.PackedLayout:
+    """The layout of the row padded to `total_len`, every slot after the last sequence's block counted as
+    that sequence's padding. TE's THD attention (and its CP split) cuts each [cu_seqlens_padded[i],
+    cu_seqlens_padded[i+1]) alike; the CP shard and gather here read this same layout, so both agree on
+    a pipeline-padded row (they did not when only the THD params saw the tail: shards of unequal shapes)."""
+    end = int(layout.cu_seqlens_padded[-1])
+    if end == total_len:
+        return layout
+    last = int(layout.cu_seqlens_padded[-2])
+    padded = layout.cu_seqlens_padded.clone()
+    padded[-1] = total_len
+    # positions count on through the last sequence's padding, as seqpack lays out padding
+    positions = torch.cat([layout.position_ids[:end], torch.arange(end - last, total_len - last)])
+    seq_ids = torch.nn.functional.pad(layout.seq_ids[:end], (0, total_len - end), value=-1)
+    return dataclasses.replace(layout, padded_lengths=[*layout.padded_lengths[:-1], total_len - last],
+                               cu_seqlens_padded=padded, total_len=total_len, position_ids=positions,
+                               seq_ids=seq_ids)
+
+
+def _thd_params(layout: seqpack.PackedLayout) -> Any:
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    layout = mb.layout
-    padded = layout.cu_seqlens_padded.clone().int()
-    padded[-1] = mb.shape[1]  # tail padding of the row belongs to the last sequence's padding
+    padded = layout.cu_seqlens_padded.int()
     max_len = int((padded[1:] - padded[:-1]).max())
     cu_seqlens = layout.cu_seqlens.int()
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
