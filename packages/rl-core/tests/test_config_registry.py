@@ -75,6 +75,21 @@ def test_policy_engine_key_selects_any_name_and_names_conflicts():
         PolicyConfig(model_name="m", engine_cfg={"seed": 1})
 
 
+@pytest.mark.parametrize("kwargs,unused", [
+    ({"megatron_cfg": {"enabled": True}, "dtensor_cfg": {"tensor_parallel_size": 2}}, "policy.dtensor_cfg"),
+    ({"megatron_cfg": {"enabled": False, "tensor_model_parallel_size": 2}}, "policy.megatron_cfg"),
+    ({"engine": "titan", "dtensor_cfg": {"compile": True}}, "policy.dtensor_cfg"),
+    ({"megatron_cfg": {"enabled": True, "tensor_model_parallel_size": 2}}, None),
+    ({"dtensor_cfg": {"tensor_parallel_size": 2}, "megatron_cfg": {"enabled": False}}, None),
+])
+def test_options_of_the_engine_not_running_are_a_warning(kwargs, unused, caplog):
+    with caplog.at_level("WARNING", logger="rl_core.config"):
+        PolicyConfig(model_name="m", **kwargs)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert [w.split(" ")[0] for w in warnings] == ([unused] if unused else [])
+    assert not unused or "is unused" in warnings[0]
+
+
 @pytest.mark.parametrize("kwargs,key", [
     ({}, "policy.dtensor_cfg"),
     ({"megatron_cfg": {"enabled": True}}, "policy.megatron_cfg"),

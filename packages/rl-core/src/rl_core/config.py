@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import math
 import types
 import typing
@@ -23,6 +24,7 @@ from typing import Any, Literal, TypeVar
 from rl_core.logprobs import DEFAULT_LOGPROB_CHUNK_TOKENS
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -241,6 +243,7 @@ class PolicyConfig:
         switched_on = [name for name in BUILTIN_ENGINE_SECTIONS if self._section(name).get("enabled", False)]
         if self.engine is not None:
             self._check_engine_key(switched_on)
+            self._warn_unused_sections()
             return
         if switched_on == ["dtensor", "megatron"]:
             raise ConfigError(
@@ -255,6 +258,7 @@ class PolicyConfig:
         if self.engine_cfg:
             raise ConfigError("policy.engine_cfg is the section of an engine chosen by policy.engine; set "
                               "policy.engine too, or put these keys under policy.dtensor_cfg / policy.megatron_cfg")
+        self._warn_unused_sections()
 
     def _section(self, name: str) -> dict[str, Any]:
         return getattr(self, BUILTIN_ENGINE_SECTIONS[name])
@@ -271,6 +275,15 @@ class PolicyConfig:
             section = BUILTIN_ENGINE_SECTIONS[self.engine]
             raise ConfigError(f"policy.engine_cfg and policy.{section} both configure engine {self.engine!r}; "
                               "use one of the two sections")
+
+    def _warn_unused_sections(self) -> None:
+        """Options under a built-in engine's section that is not the one running do nothing (a user who sets
+        `dtensor_cfg.tensor_parallel_size=2` on a Megatron run gets TP=1): say so, naming the section that counts."""
+        for name, section in BUILTIN_ENGINE_SECTIONS.items():
+            unused = self._own_options(name)
+            if unused and name != self.engine_name:
+                logger.warning("policy.%s %s is unused: the %r engine runs (%s); its options are %s", section,
+                               unused, self.engine_name, self.engine_config_key, self.engine_options_key)
 
     def _own_options(self, name: str) -> dict[str, Any]:
         return {k: v for k, v in self._section(name).items() if k != "enabled"}
