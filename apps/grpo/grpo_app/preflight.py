@@ -134,7 +134,8 @@ def _model_parallel(engine_cfg: Any) -> dict[str, int]:
 
 
 def check_layout(cfg: GRPOConfig, engine_cfg: Any) -> None:
-    """The engine's TP x PP x CP divides `cluster.train_world_size`, and TP divides the attention heads."""
+    """The engine's TP x PP x CP divides `cluster.train_world_size`, TP the attention heads, PP the layers, EP
+    the experts."""
     import json
 
     degrees = _model_parallel(engine_cfg)
@@ -152,6 +153,15 @@ def check_layout(cfg: GRPOConfig, engine_cfg: Any) -> None:
     if heads and (heads % tp or kv_heads % tp):
         raise ConfigError(f"{section}: tensor parallel size {tp} must divide the model's attention heads ({heads}) "
                           f"and key/value heads ({kv_heads}); choose a divisor of {math.gcd(heads, kv_heads)}")
+    # what the engine would otherwise find only once Ray and the workers are up
+    layers, pp = hf.get("num_hidden_layers"), degrees.get("pp", 1)
+    if layers and layers % pp:
+        raise ConfigError(f"{section}: pipeline parallel size {pp} must divide the model's {layers} layers")
+    experts = hf.get("num_local_experts") or hf.get("num_experts")
+    ep = getattr(engine_cfg, "ep", 1)
+    if ep > 1 and (not experts or experts % ep):
+        raise ConfigError(f"{section}: expert parallel size {ep} must divide the model's experts "
+                          f"({experts or 'none: a dense model'})")
 
 
 def check_cluster_address(address: str | None) -> None:

@@ -150,6 +150,10 @@ def test_env_name_on_the_command_line_drops_the_files_env_kwargs(caplog, tmp_pat
     (["policy.megatron_cfg.enabled=true", "policy.megatron_cfg.tensor_model_parallel_size=3",
       "cluster.train_world_size=2"],
      "cluster.train_world_size=2 is not a multiple of policy.megatron_cfg's model-parallel size TP=3 x PP=1 x CP=1"),
+    (["policy.megatron_cfg.enabled=true", "policy.megatron_cfg.pipeline_model_parallel_size=3",
+      "cluster.train_world_size=3"], "pipeline parallel size 3 must divide the model's 2 layers"),
+    (["policy.megatron_cfg.enabled=true", "policy.megatron_cfg.expert_model_parallel_size=2",
+      "cluster.train_world_size=2"], "expert parallel size 2 must divide the model's experts (none: a dense model)"),
 ])
 def test_engine_layout_against_world_size(caplog, overrides, message):
     code, text = run_main(caplog, *overrides)
