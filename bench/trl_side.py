@@ -6,15 +6,17 @@ OUT gets per-step wall times, mean completion lengths and rewards, and on CUDA t
 torch.cuda.max_memory_allocated. On CUDA: bf16 autocast over fp32 weights (as our engines' bf16 keeps fp32
 master weights), per-device batch = the prompt count and `generations` accumulation steps, so one
 optimizer step takes all prompts x generations completions. The reward is rollout.rewards.toy.repeat_char_reward
-with stop_bonus=0, re-implemented here (this venv does not hold the workspace).
+with stop_bonus=0, loaded from its file (it needs only the standard library; this venv does not hold the workspace).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import sys
 import time
+from pathlib import Path
 
 import torch
 from datasets import Dataset
@@ -22,24 +24,17 @@ from transformers import AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 logger = logging.getLogger("trl_side")
-END_MARKERS = ("</s>", "<|endoftext|>", "<|im_end|>", "<|eot_id|>")
-
-
-def strip_end_markers(text: str) -> str:
-    changed = True
-    while changed:
-        changed = False
-        for marker in END_MARKERS:
-            if text.endswith(marker):
-                text, changed = text[: -len(marker)], True
-    return text
+# rollout's toy tasks by file path: the very reward function our side scores with.
+_TOY = Path(__file__).resolve().parents[1] / "packages/rollout/src/rollout/rewards/toy.py"
+_spec = importlib.util.spec_from_file_location("rollout_toy_tasks", _TOY)
+toy = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(toy)
 
 
 def make_reward(answer_len: int):
-    def repeat_char(completions, target, **_):
-        # Same as repeat_char_reward(stop_bonus=0): share of the first answer_len chars equal to the target.
-        return [sum(ch == t for ch in strip_end_markers(c)[:answer_len]) / answer_len
-                for c, t in zip(completions, target)]
+    def repeat_char(prompts, completions, target, **_):
+        return [toy.repeat_char_reward(prompt=p, completion=c, metadata={"target": t}, answer_len=answer_len,
+                                       stop_bonus=0.0) for p, c, t in zip(prompts, completions, target)]
 
     return repeat_char
 
