@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from rl_core.logprobs import target_logprobs
 from rl_core.testing.tiny_models import build_tokenizer, cached_tiny_checkpoint
 
 EOS = 2
@@ -45,7 +44,8 @@ def _one_thread():
 
 
 class HFReference:
-    """Independent references from a plain HF model: unpadded `generate` and single-sequence forwards."""
+    """Independent references from a plain HF model (unpadded `generate`, single-sequence forwards) and a
+    float64 top-k / top-p filter."""
 
     @staticmethod
     def greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
@@ -57,11 +57,49 @@ class HFReference:
 
     @staticmethod
     def logprobs(model, prompt: list[int], completion: list[int], temperature: float) -> torch.Tensor:
-        """Logprobs of `completion` under a fresh single-sequence HF forward pass, logits / T, float32."""
+        """Logprobs of `completion` under a fresh single-sequence HF forward pass: log_softmax(logits / T) over
+        the full vocabulary in float64 (no production helper), returned as float32 like the backends'."""
         ids = torch.tensor([prompt + completion])
         with torch.no_grad():
-            logits = model(ids).logits[0]
-        return target_logprobs(logits[:-1], ids[0, 1:], temperature)[len(prompt) - 1:]
+            logits = model(ids).logits[0, len(prompt) - 1:-1].double()  # the logits that predict `completion`
+        logprobs = torch.log_softmax(logits / temperature, dim=-1)
+        return logprobs.gather(-1, ids[0, len(prompt):, None]).squeeze(-1).float()
+
+    @staticmethod
+    def filter_bounds(logits_V: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                      tol: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Top-k / top-p of one row of logits as HF's warpers and vLLM define them, in float64: (must, may, count).
+
+        On x = logits / T: top-k (0 or >= V: off) keeps every token with fewer than k tokens above it, so
+        ties with the k-th largest stay (HF drops `scores < topk(scores, k)[-1]`). Top-p (1: off) then keeps,
+        of the top-k tokens renormalised, the smallest set of most probable tokens whose probability sums
+        to >= top_p (at least one token). Which of several tied tokens that set holds depends on a sort's tie
+        order, so the result is bounds: `may` holds the tokens some tie order keeps (the mass of the tokens
+        strictly more probable is < top_p), `must` those every order keeps, and `count` the set's size.
+        Pairwise (V x V) comparisons, not the production filter's sort + cumsum + scatter: tiny vocabularies
+        only. `tol` widens both bounds (x compared within tol, masses within tol) for logits computed by
+        another implementation.
+        """
+        x = logits_V.double() / (temperature if temperature > 0 else 1.0)
+        finite = torch.isfinite(x)
+        others = ~torch.eye(x.numel(), dtype=torch.bool)
+        surely_above = x[None, :] > x[:, None] + tol  # [i, j]: token j is more probable than token i
+        maybe_above = (x[None, :] > x[:, None] - tol) & others
+        above_or_tied = (x[None, :] >= x[:, None] - tol) & others  # j != i may come before i in a sort
+        in_k, may, must = finite.clone(), finite.clone(), finite.clone()
+        if 0 < top_k < x.numel():  # ties with token i never push it out of the top-k
+            in_k &= (x[None, :] > x[:, None]).sum(1) < top_k
+            may &= surely_above.sum(1) < top_k
+            must &= maybe_above.sum(1) < top_k
+        if top_p >= 1.0:
+            return must, may, int(in_k.sum())
+        p = torch.where(in_k, torch.exp(x - x[in_k].max()), 0.0)
+        p = p / p.sum()  # the top-k tokens renormalised
+        may &= surely_above.double() @ p < top_p + tol
+        must &= above_or_tied.double() @ p < top_p - tol
+        # The set's size: the smallest m whose m most probable tokens hold >= top_p.
+        prefix_mass = p[in_k].sort(descending=True).values.cumsum(0)
+        return must, may, min(1 + int((prefix_mass < top_p).sum()), int(in_k.sum()))
 
 
 @pytest.fixture(scope="session")

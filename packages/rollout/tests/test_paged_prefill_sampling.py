@@ -1,9 +1,11 @@
 """Batched (packed) prefill and sampling inside the paged decode step, against independent references:
-one-prompt prefills, the HF model's own logits and KV cache, a pure-Python murmur hash, HF forwards of each
-row's sequence sampled eagerly."""
+one-prompt prefills, the HF model's own logits and KV cache, a pure-Python murmur hash, and each row's draw
+rebuilt from a fresh HF forward of its sequence, that Python hash's Exp(1) noise and a float64 top-k / top-p
+filter (conftest's `hf_ref.filter_bounds`)."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -11,7 +13,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rl_core.interfaces import SamplingParams
-from rollout.sampling import _fmix32, _uniform_bits_int32, _uniform_bits_int64, int32_hash_wraps, sample_next
+from rollout.sampling import (
+    _fmix32,
+    _uniform_bits_int32,
+    _uniform_bits_int64,
+    counter_exponential,
+    int32_hash_wraps,
+    sample_next,
+)
 from rollout.scheduler import ContinuousBatcher
 from rollout.torch_backend import TorchGenerationBackend
 
@@ -84,16 +93,46 @@ def test_prefill_token_budget_splits_forwards_and_changes_nothing(tiny_ckpt, pro
         paged(tiny_ckpt, max_prefill_tokens=0)
 
 
+def _python_fmix(h: int) -> int:
+    """murmur3's 32-bit finaliser in Python integers (no tensor arithmetic)."""
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & MASK
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & MASK
+    return h ^ (h >> 16)
+
+
+def _python_unfmix(h: int) -> int:
+    """The inverse of `_python_fmix` (xorshifts undone by repeated xor, multiplies by modular inverses)."""
+    def unshift(h: int, s: int) -> int:
+        x = h
+        for _ in range(32 // s):
+            x = h ^ (x >> s)
+        return x
+
+    h = unshift(h, 16)
+    h = (h * pow(0xC2B2AE35, -1, 1 << 32)) & MASK
+    h = unshift(h, 13)
+    h = (h * pow(0x85EBCA6B, -1, 1 << 32)) & MASK
+    return unshift(h, 16)
+
+
 def _python_uniform_bits(row_step: int, token: int) -> int:
     """The keyed hash of one (row, step) x token in Python integers (no tensor arithmetic)."""
-    def fmix(h: int) -> int:
-        h ^= h >> 16
-        h = (h * 0x85EBCA6B) & MASK
-        h ^= h >> 13
-        h = (h * 0xC2B2AE35) & MASK
-        return h ^ (h >> 16)
+    return _python_fmix(row_step ^ ((token * 0x85157AF5) & MASK)) >> 8
 
-    return fmix(row_step ^ ((token * 0x85157AF5) & MASK)) >> 8
+
+def _python_row_step(seed: int, request: int, step: int) -> int:
+    """The hash of (row key, step): the row key of global row `request` under a request seed, as specified
+    in rollout.sampling (row_keys, counter_exponential), in Python integers."""
+    key = _python_fmix((_python_fmix(seed & MASK) + request * 0x9E3779B1) & MASK)
+    return _python_fmix((key + step * 0x632BE5AB) & MASK)
+
+
+def _python_exponential(row_step: int, vocab: int) -> torch.Tensor:
+    """Exp(1) noise (V,) float64 of one (row, step): -log u, u = (24 hash bits + 0.5) / 2**24 in (0, 1)."""
+    return torch.tensor([-math.log((_python_uniform_bits(row_step, t) + 0.5) / (1 << 24)) for t in range(vocab)],
+                        dtype=torch.float64)
 
 
 def test_int32_noise_is_bit_equal_to_the_int64_hash_and_python():
@@ -111,28 +150,68 @@ def test_int32_noise_is_bit_equal_to_the_int64_hash_and_python():
     assert int32_hash_wraps(torch.device("cpu"))
 
 
-@pytest.mark.parametrize("sampling", [dict(temperature=0.8, top_k=20, top_p=0.9), dict(temperature=1.0),
-                                      dict(temperature=0.0)], ids=["top-k-top-p", "plain", "greedy"])
-def test_decode_step_samples_like_an_hf_forward_sampled_eagerly(tiny_ckpt, prompts, sampling):
-    """Three decode steps of 5 rows padded to bucket 8: each row's (token, logprob) == sample_next on the
-    logits of a fresh HF forward of that row's sequence with the row's key and step counter."""
+def test_noise_of_the_top_hash_value_is_positive_and_cannot_break_the_filter():
+    """bits = 2**24 - 1 gives u = (2**24 - 0.5) / 2**24, which float32 rounds to 1: E = -log u must stay > 0,
+    else that token wins the race whatever its probability, and a filtered-out token gets -inf + inf = NaN,
+    which argmax picks (a top-k/top-p violation at ~V / 2**24 of draws: ~1% of tokens with Qwen's vocab)."""
+    vocab, token, seed, request = 128, 100, 11, 0
+    key = _python_fmix((_python_fmix(seed) + request * 0x9E3779B1) & MASK)
+    # The step whose row hash gives `token` the top 24-bit value: invert (row step) ^ token -> fmix -> >> 8.
+    row_step = _python_unfmix(0xFFFFFF00) ^ ((token * 0x85157AF5) & MASK)
+    step = ((_python_unfmix(row_step) - key) * pow(0x632BE5AB, -1, 1 << 32)) & MASK
+    assert _python_uniform_bits(_python_row_step(seed, request, step), token) == 0xFFFFFF
+    keys, steps = torch.tensor([key]), torch.tensor([step])
+    noise = counter_exponential(keys, steps, vocab)
+    torch.testing.assert_close(noise[0].double(), _python_exponential(row_step, vocab), rtol=1e-5, atol=0)
+    logits = torch.linspace(5.0, -30.0, vocab)[None]  # the token is ~e-22 below the top
+    for top_k, top_p in [(3, 1.0), (0, 0.5), (0, 1.0)]:
+        params = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p)
+        tokens, _ = sample_next(logits, params, keys_B=keys, steps_B=steps)
+        assert int(tokens) != token and int(tokens) < 3  # the race's winner: the top tokens, not the hashed one
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.8, top_k=20, top_p=0.9), dict(temperature=0.7, top_k=3),
+                                      dict(temperature=1.0, top_p=0.5), dict(temperature=1.0),
+                                      dict(temperature=0.0)], ids=["top-k-top-p", "top-k", "top-p", "plain", "greedy"])
+def test_decode_step_samples_like_an_hf_forward_sampled_eagerly(tiny_ckpt, prompts, sampling, hf_ref):
+    """Three decode steps of 5 rows padded to bucket 8: each row's token is the exponential race over a fresh
+    HF forward of that row's sequence (float64 logits / T, float64 top-k / top-p), with the Exp(1) noise of
+    the Python hash at the row's (seed, row, step), and its logprob the float64 log_softmax(logits / T)."""
     backend = paged(tiny_ckpt, batch_buckets=(8,))
     backend.generate(prompts, SamplingParams(max_new_tokens=8))  # sizes the cache
     hf = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
     params = SamplingParams(max_new_tokens=8, **sampling)
-    batcher = ContinuousBatcher(backend.decoder, prompts, params, set(), max_num_seqs=5, seed=3)
+    temperature = params.temperature or 1.0  # greedy reports logprobs at T = 1
+    seed = 3
+    batcher = ContinuousBatcher(backend.decoder, prompts, params, set(), max_num_seqs=5, seed=seed)
     batcher.refill()
+    exact = 0
     for _ in range(3):
         rows = list(batcher.running)
         sequences = [prompts[r.request] + r.tokens for r in rows]
         batcher.decode_step()
         assert batcher.batch_sizes[-1] == 5
-        with torch.no_grad():
-            logits = torch.stack([hf(torch.tensor([s])).logits[0, -1] for s in sequences])
-        steps = torch.tensor([len(r.tokens) - 1 for r in rows])
-        tokens, logprobs = sample_next(logits, params, keys_B=batcher.keys[[r.request for r in rows]], steps_B=steps)
-        assert [r.tokens[-1] for r in rows] == tokens.tolist()
-        torch.testing.assert_close(torch.tensor([r.logprobs[-1] for r in rows]), logprobs, atol=1e-5, rtol=0)
+        for row, sequence in zip(rows, sequences):
+            with torch.no_grad():
+                x = hf(torch.tensor([sequence])).logits[0, -1].double() / temperature
+            token = row.tokens[-1]
+            torch.testing.assert_close(row.logprobs[-1], float(torch.log_softmax(x, -1)[token]), atol=1e-5, rtol=0)
+            if params.temperature == 0.0:
+                race, must = x, torch.ones_like(x, dtype=torch.bool)
+                may = must
+            else:
+                must, may, _ = hf_ref.filter_bounds(x, 1.0, params.top_k, params.top_p, tol=1e-4)
+                step = len(sequence) - len(prompts[row.request])
+                race = x - _python_exponential(_python_row_step(seed, row.request, step), len(x)).log()
+            # The draw is argmax(log p - log E) over the filtered tokens: it beats every token surely kept.
+            best = torch.where(must, race, float("-inf")).max()
+            assert may[token] and race[token] >= best - 1e-4, f"row {row.request}: token {token}"
+            # and is that winner unless a token on the filter's float boundary, or one within float error, competes
+            runner_up = torch.where(may & (race < best), race, float("-inf")).max()
+            if best - runner_up > 1e-4 and int((may & (race >= best)).sum()) == 1:
+                assert race[token] == best, f"row {row.request}: token {token} is not the race's winner"
+                exact += 1
+    assert exact >= 12  # of the 15 draws
 
 
 # ---------------------------------------------------------------------- GPU (skipped without CUDA)

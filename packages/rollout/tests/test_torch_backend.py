@@ -1,5 +1,6 @@
 """TorchGenerationBackend against independent references: HF `generate`, a fresh HF forward pass, a
-backend built from the new weights, and the shared contract of rl_core.testing.contracts."""
+backend built from the new weights, a float64 top-k / top-p filter (conftest's `hf_ref.filter_bounds`), and
+the shared contract of rl_core.testing.contracts."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from rl_core.importance import importance_weights
 from rl_core.interfaces import SamplingParams
 from rl_core.testing.contracts import check_generation_backend
 from rl_core.testing.tiny_models import cached_tiny_checkpoint
+from rollout.sampling import filter_logits
 from rollout.torch_backend import TorchGenerationBackend
 
 EOS = 2
@@ -55,6 +57,82 @@ def test_sampled_logprobs_equal_hf_forward(tiny_ckpt, prompts, temperature, top_
     _, metrics = importance_weights(prev_t, gen_t, torch.ones_like(gen_t), seq_ids)
     assert float(metrics["token_mult_prob_error"]) <= 1.0001
     assert abs(float(metrics["gen_kl"])) <= 1e-5
+
+
+def _filter_test_logits(vocab: int) -> torch.Tensor:
+    """Rows for the filter: continuous logits, logits on a coarse grid (ties everywhere, boundaries included,
+    as in bf16), one row all tied, peaked rows, huge magnitudes, rows with -inf (tokens masked upstream)."""
+    g = torch.Generator().manual_seed(0)
+    smooth = torch.randn(16, vocab, generator=g) * 3
+    coarse = (torch.randn(16, vocab, generator=g) * 3).round() / 2
+    peaked = torch.randn(2, vocab, generator=g)
+    peaked[0, 7], peaked[1, 3] = 1e4, 8.0
+    huge = torch.randn(2, vocab, generator=g) * 1e4
+    masked = coarse[:4].clone()
+    masked[:, ::3] = float("-inf")
+    return torch.cat([smooth, coarse, torch.zeros(1, vocab), peaked, huge, masked])
+
+
+def test_top_k_top_p_filter_equals_a_float64_reference(hf_ref):
+    """sampling.filter_logits keeps exactly the tokens HF's warpers / vLLM keep (up to the order of tied
+    tokens at the top-p boundary), on logits with ties and edge settings (0 / >= V / 1 = off, top_p -> 0)."""
+    vocab = 40
+    logits = _filter_test_logits(vocab)
+    settings = [(0, 1.0), (vocab, 1.0), (vocab + 5, 0.7), (1, 1.0), (2, 1.0), (7, 1.0), (vocab - 1, 1.0),
+                (0, 0.5), (0, 0.9), (0, 0.999), (0, 1e-9), (2, 0.3), (5, 0.8), (vocab - 1, 0.95), (10, 0.6)]
+    checked = ambiguous = tie_bound = 0
+    for top_k, top_p in settings:
+        out = filter_logits(logits, top_k, top_p)
+        kept = torch.isfinite(out)
+        assert torch.equal(out[kept], logits[kept])  # kept logits pass through unchanged
+        for row in range(len(logits)):
+            must, may, count = hf_ref.filter_bounds(logits[row], 1.0, top_k, top_p)
+            if top_p < 1.0:  # a prefix mass within float32 rounding of top_p: either count is right
+                lo, hi = (hf_ref.filter_bounds(logits[row], 1.0, top_k, q)[2] for q in (top_p - 1e-5, top_p + 1e-5))
+                if lo != hi:
+                    ambiguous += 1
+                    continue
+            where = f"top_k={top_k} top_p={top_p} row {row}"
+            assert int(kept[row].sum()) == count, where
+            assert not (must & ~kept[row]).any(), f"{where}: drops {(must & ~kept[row]).nonzero().flatten().tolist()}"
+            assert not (kept[row] & ~may).any(), f"{where}: keeps {(kept[row] & ~may).nonzero().flatten().tolist()}"
+            checked, tie_bound = checked + 1, tie_bound + int(not torch.equal(must, may))
+    assert ambiguous <= 10 and checked > 600 and tie_bound > 20  # ties at the boundaries were exercised
+    # HF / vLLM keep every token tied with the k-th largest; the nucleus is >= top_p of the top-k mass.
+    hand = torch.tensor([[3.0, 2.0, 2.0, 2.0, 1.0, 0.0, -1.0, -2.0]])
+    assert torch.isfinite(filter_logits(hand, 2, 1.0)).nonzero()[:, 1].tolist() == [0, 1, 2, 3]
+    assert torch.isfinite(filter_logits(hand, 0, 0.45)).sum() == 2  # p = .43, .16, .16, .16, ...
+    assert torch.isfinite(filter_logits(hand, 2, 0.6)).sum() == 2  # of the 4 top-2 tokens: p = .48, .17, ...
+
+
+@pytest.mark.parametrize("decode", DECODE_PATHS)
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 3, 1.0), (0.7, 0, 0.5)], ids=["top-k-3", "top-p-0.5"])
+def test_sampled_tokens_lie_in_the_hf_top_k_top_p_set(tiny_ckpt, prompts, hf_ref, decode, temperature, top_k, top_p):
+    """Every sampled token is in the top-k / nucleus set of a fresh HF forward (float64 softmax of logits / T),
+    and its reported logprob is the FULL-vocabulary log_softmax(logits / T) (sampling.py, rl_core.logprobs),
+    not the truncated, renormalised one vLLM's processed_logprobs report."""
+    backend = TorchGenerationBackend(str(tiny_ckpt), **DECODE_PATHS[decode])
+    hf = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
+    params = SamplingParams(n=4, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=12, seed=3)
+    out = backend.generate(prompts, params)
+    raw, renormalised, outside_mass = [], [], []
+    for c in out:
+        prompt = prompts[c.prompt_index]
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + c.token_ids])).logits[0, len(prompt) - 1:-1].double()
+        logp = torch.log_softmax(logits / temperature, dim=-1)
+        for pos, token in enumerate(c.token_ids):
+            _, may, _ = hf_ref.filter_bounds(logits[pos], temperature, top_k, top_p, tol=1e-4)
+            assert may[token], f"prompt {c.prompt_index} position {pos}: token {token} outside the top-k/top-p set"
+            _, exact, _ = hf_ref.filter_bounds(logits[pos], temperature, top_k, top_p)
+            raw.append(logp[pos, token])
+            renormalised.append(logp[pos, token] - torch.logsumexp(logp[pos][exact], 0))
+            outside_mass.append(1 - logp[pos][exact].exp().sum())
+    reported = torch.tensor([x for c in out for x in c.logprobs], dtype=torch.float64)
+    torch.testing.assert_close(reported, torch.stack(raw), atol=1e-5, rtol=0)
+    assert (reported - torch.stack(renormalised)).abs().min() > 0.05  # the two conventions are told apart
+    # An unfiltered sampler would leave the set with this probability at each of the ~240 tokens.
+    assert torch.stack(outside_mass).mean() > 0.3
 
 
 def test_update_weights_equals_backend_built_from_new_weights(tiny_ckpt, tiny_ckpt_other, prompts):

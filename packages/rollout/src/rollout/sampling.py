@@ -41,14 +41,17 @@ def validate_params(params: SamplingParams) -> None:
 
 
 def filter_logits(logits_BV: Tensor, top_k: int, top_p: float) -> Tensor:
-    """Set logits outside the top-k and outside the top-p nucleus to -inf (the argmax always survives)."""
+    """Set logits outside the top-k and outside the top-p nucleus to -inf (the argmax always survives).
+
+    As HF's warpers and vLLM: top-k keeps every logit tied with the k-th largest; top-p keeps, of the top-k
+    tokens renormalised, the smallest set of most probable tokens holding >= top_p."""
     if top_k <= 0 and top_p >= 1.0:
         return logits_BV
     vocab = logits_BV.shape[-1]
     sorted_logits, order = logits_BV.sort(dim=-1, descending=True)  # (B, V)
     drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
     if 0 < top_k < vocab:
-        drop[:, top_k:] = True
+        drop[:, top_k:] = sorted_logits[:, top_k:] < sorted_logits[:, top_k - 1:top_k]  # ties with the k-th stay
     if top_p < 1.0:
         probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
         # A token is kept while the mass strictly before it is < top_p (so the top token is always kept).
@@ -137,8 +140,10 @@ def counter_exponential(keys_B: Tensor, steps_B: Tensor, vocab: int) -> Tensor:
         bits = _uniform_bits_int32(row_step, vocab)  # (B, V)
     else:
         bits = _uniform_bits_int64(row_step, vocab)
-    uniform = bits.float().add_(0.5).mul_(1.0 / (1 << 24))  # in (0, 1): log never sees 0
-    return uniform.log_().neg_()
+    uniform = bits.float().add_(0.5).mul_(1.0 / (1 << 24))  # in (0, 1]: float32 rounds 2**24 - 0.5 up to 2**24
+    # u = 1 would give E = 0, whose token wins every race (and a filtered one gives -inf + inf = NaN, which
+    # argmax picks): clamp to -log(1 - 2**-25), the E that unrounded top bit pattern stands for.
+    return uniform.log_().neg_().clamp_(min=2.0**-25)
 
 
 def sampling_key(params: SamplingParams) -> tuple[float, int, float]:
