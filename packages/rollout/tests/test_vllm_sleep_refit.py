@@ -21,6 +21,7 @@ class SleepModeLLM:
 
     def __init__(self, **kwargs) -> None:
         self.weights, self.host, self.awake = {"w": 0.0}, None, set(ALL_TAGS)
+        self.model_config = types.SimpleNamespace(hf_text_config=types.SimpleNamespace(tie_word_embeddings=False))
 
     def sleep(self, level: int) -> None:
         self.host = dict(self.weights) if level == 1 else None

