@@ -181,6 +181,18 @@ def check_cluster_address(address: str | None) -> None:
                           f"--port={port}`) or leave cluster.address unset for a local Ray") from None
 
 
+def check_truncated_sampling(cfg: GRPOConfig, backend_cls: type) -> None:
+    """top-k / top-p with a backend whose logprobs are of the truncated distribution: the importance weights
+    would compare those with the engines' full-distribution logprobs, a bias at every token."""
+    gen = cfg.generation
+    if (gen.top_p < 1.0 or gen.top_k > 0) and getattr(backend_cls, "truncated_logprobs", False):
+        raise ConfigError(f"generation.top_p={gen.top_p} / generation.top_k={gen.top_k} with generation.backend="
+                          f"{gen.backend}: it reports logprobs of the top-k/top-p truncated distribution, and the "
+                          "training engines compute them over the full vocabulary, so the importance correction "
+                          "would be off at every token; use top_p=1.0 and top_k=0 (the RL default), or the torch "
+                          "backend")
+
+
 def check_backend_installed(cfg: GRPOConfig, backend_cls: type) -> None:
     """A local run's generation backend finds its optional modules (else it fails inside a Ray actor); on a
     cluster the workers' Python is not the driver's, so it is not checked."""
@@ -245,6 +257,7 @@ def preflight(cfg: GRPOConfig) -> GRPOConfig:
     engine_cfg = engine_cls.validate_config(cfg.policy) if isinstance(engine_cls, ValidatesConfig) else None
     backend_cls = GENERATION_BACKENDS.get(cfg.generation.backend, config_key="generation.backend")
     check_kwargs(backend_cls, cfg.generation.backend_kwargs, "generation.backend_kwargs", given=("model_path",))
+    check_truncated_sampling(cfg, backend_cls)
     check_backend_installed(cfg, backend_cls)
     check_environment(cfg)
     cfg = resolve_model(cfg)

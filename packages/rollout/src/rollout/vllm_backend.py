@@ -164,6 +164,9 @@ class VLLMGenerationBackend:
 
     # module -> install command: what a launcher can check before it starts the processes that build this
     required_modules = {"vllm": INSTALL_HINT}
+    # With top-k / top-p, sampled-token logprobs are of the truncated, renormalised distribution, not rl-core's
+    # full distribution at logits / T (module docstring): a trainer comparing them with its own must refuse.
+    truncated_logprobs = True
 
     def __init__(
         self,
