@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 
 import pytest
 import torch
@@ -30,13 +31,16 @@ def _resume(rank: int, world: int, path: str, batch, ckpt_dir: str) -> tuple:
 
     first = DTensorEngine(policy)
     _train(first, shard, 2)
+    _seed(100 + rank)  # each rank's own RNG stream, as a trainer seeds them
     first.save_checkpoint(ckpt_dir)
     first.save_checkpoint(ckpt_dir)  # overwriting an existing checkpoint is atomic too
+    after_save = _draw()
     _train(first, shard, 1)  # state the loader must NOT see
+    _seed(1234 + rank)  # nor the RNG state of the process that loads it
     resumed = DTensorEngine(policy)
     resumed.load_checkpoint(ckpt_dir)
+    after_load = _draw()  # RNG restored: the draw after load equals the draw after save
     resumed_losses = _train(resumed, shard, 2)
-    torch.manual_seed(1234 + rank)  # RNG restored: the draw after load equals the draw after save
     return (
         losses,
         resumed_losses,
@@ -44,15 +48,30 @@ def _resume(rank: int, world: int, path: str, batch, ckpt_dir: str) -> tuple:
         resumed.scheduler.get_last_lr(),
         params,
         dict(resumed.export_hf_weights()),
+        (after_save, after_load, _draw()),
     )
+
+
+def _seed(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _draw() -> tuple[list[float], float]:
+    """A draw from torch's and Python's RNG (CPU: the states a checkpoint holds on this machine)."""
+    return torch.rand(4).tolist(), random.random()
 
 
 @pytest.mark.distributed
 def test_save_load_continue_is_bit_exact(ckpt, tmp_path) -> None:
     batch = grpo_batch(ckpt("qwen2"))
     results = run_distributed(_resume, 2, args=(ckpt("qwen2"), batch, str(tmp_path / "step2")))
-    losses, resumed_losses, lrs, resumed_lrs, params, resumed_params = results[0]
+    losses, resumed_losses, lrs, resumed_lrs, params, resumed_params, _ = results[0]
     assert resumed_losses == losses[2:]  # floats compared exactly
+    draws = [rank_result[-1] for rank_result in results]
+    for after_save, after_load, later in draws:  # each rank gets its own RNG state back
+        assert after_load == after_save and later != after_save
+    assert draws[0][0] != draws[1][0]  # the ranks' streams differ, so a rank given another's state shows
     assert resumed_lrs == lrs
     assert params.keys() == resumed_params.keys()
     assert all(torch.equal(params[k], resumed_params[k]) for k in params)

@@ -40,11 +40,17 @@ BUDGETS = {
 }
 
 
+# The attention each layout names (the engine's choice and the one the HF model dispatches on): "auto"
+# (the other layouts) resolves to sdpa_segments on the CPU.
+ATTENTION = {"packed sdpa mask": "sdpa", "packed eager": "eager"}
+
+
 def _logprobs_and_grads(rank: int, world: int, path: str, batch, overrides: dict) -> tuple:
     engine = DTensorEngine(make_policy(path, **overrides))
     logprobs = engine.compute_logprobs(batch)
     result = engine.forward_backward(batch, ClippedPGLoss(LossConfig(agg="seq-mean-token-mean")))
-    return logprobs, full_grads(engine), result.num_micro_batches
+    attention = (engine.attn_impl, engine.model.config._attn_implementation)
+    return logprobs, full_grads(engine), result.num_micro_batches, attention
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
@@ -54,8 +60,10 @@ def test_packed_equals_padded_equals_one_at_a_time(ckpt, arch: str) -> None:
         name: run_distributed(_logprobs_and_grads, 1, args=(ckpt(arch), batch, cfg))[0]
         for name, cfg in LAYOUTS.items()
     }
-    ref_lp, ref_grads, _ = runs["one-at-a-time"]
-    assert [n for *_, n in runs.values()] == [8, 1, 1, 1, 1]  # the layouts really differ
+    ref_lp, ref_grads, *_ = runs["one-at-a-time"]
+    assert [run[2] for run in runs.values()] == [8, 1, 1, 1, 1]  # the layouts really differ
+    for name, run in runs.items():  # and each ran the attention it names
+        assert run[3] == (ATTENTION.get(name, "sdpa_segments"),) * 2, name
     for name in ("padded", "packed", "packed sdpa mask", "packed eager"):
         lp_diff = assert_layout_close(runs[name][0], ref_lp)
         grad_diff = assert_layout_close(runs[name][1], ref_grads)

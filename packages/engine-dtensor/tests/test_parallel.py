@@ -76,6 +76,13 @@ def _tp_run(rank: int, world: int, path: str, batch, sequence_parallel: bool, pa
         inputs = build_padded_inputs(
             batch.input_ids[:4], attn_impl="sdpa", seq_multiple=world, device=engine.device
         )
+        # sequence parallel: every RMSNorm (per layer and final) works on this rank's half of the sequence
+        norm_lengths: list[int] = []
+        hooks = [
+            module.register_forward_hook(lambda mod, args, output: norm_lengths.append(output.shape[1]))
+            for name, module in engine.model.named_modules()
+            if name.endswith(("input_layernorm", "post_attention_layernorm")) or name == "model.norm"
+        ]
         with torch.no_grad():
             lp, _ = forward_logprobs(engine.model, inputs, temperature=1.0, with_entropy=False)
             logits = engine.model(
@@ -90,6 +97,9 @@ def _tp_run(rank: int, world: int, path: str, batch, sequence_parallel: bool, pa
             gathered = full[:, :-1].gather(-1, inputs.input_ids[:, 1:, None])[..., 0]
             out["vocab_parallel"] = [lp[:, 1:]]
             out["gathered"] = [gathered]
+        for hook in hooks:
+            hook.remove()
+        out["norm_seq_fraction"] = (len(hooks), {n / inputs.input_ids.shape[1] for n in norm_lengths})
     return out
 
 
@@ -112,6 +122,8 @@ def test_tensor_parallel_equals_one_rank(ckpt, arch: str, sequence_parallel: boo
     assert tp["grad_norm"] == pytest.approx(ref_norm, rel=1e-6)
     assert ref["grad_norm"] == pytest.approx(ref_norm, rel=1e-6)
     assert tp["sharded_logits"]  # each rank really held a vocab slice of the logits
+    # with SP each norm saw a Shard(1) slice of the sequence (half of it); without, the whole sequence
+    assert tp["norm_seq_fraction"] == (5, {0.5 if sequence_parallel else 1.0})  # 2 norms x 2 layers + final
 
 
 def _two_d(rank: int, world: int, path: str, batch) -> tuple:
