@@ -27,11 +27,29 @@ def load_prompts(cfg: GRPOConfig, tokenizer: Any, split: str) -> list[PromptExam
     render = {"prompt_key": env.prompt_key, "apply_chat_template": env.use_chat_template,
               "system_prompt": env.system_prompt}
     if path is not None:
-        return load_prompt_dataset(path, tokenizer, **render)
-    num = env.num_generated_train_prompts if split == "train" else cfg.grpo.num_val_prompts
-    records = toy_prompts(env.name, num, split="train" if split == "train" else "validation", seed=cfg.grpo.seed,
-                          **env.prompt_kwargs)
-    return build_examples(records, tokenizer, **render)
+        examples = load_prompt_dataset(path, tokenizer, **render)
+    else:
+        num = env.num_generated_train_prompts if split == "train" else cfg.grpo.num_val_prompts
+        records = toy_prompts(env.name, num, split="train" if split == "train" else "validation",
+                              seed=cfg.grpo.seed, **env.prompt_kwargs)
+        examples = build_examples(records, tokenizer, **render)
+    return drop_long_prompts(examples, cfg.prompt_token_limit, f"{split} ({path or env.name})")
+
+
+def drop_long_prompts(examples: list[PromptExample], limit: int | None, source: str) -> list[PromptExample]:
+    """The prompts of at most `limit` tokens: a longer one would fail in vLLM (or stop short of
+    max_new_tokens, reported as a length cut-off) or not fit a micro-batch later."""
+    if limit is None:
+        return examples
+    kept = [e for e in examples if len(e.prompt_token_ids) <= limit]
+    if not kept:
+        raise ValueError(f"every {source} prompt is longer than {limit} tokens (env.max_prompt_tokens, or "
+                         "generation.backend_kwargs.max_model_len - generation.max_new_tokens); raise the limit")
+    if len(kept) < len(examples):
+        longest = max(len(e.prompt_token_ids) for e in examples)
+        logger.warning("dropped %d of %d %s prompts longer than %d tokens (the longest: %d; env.max_prompt_tokens)",
+                       len(examples) - len(kept), len(examples), source, limit, longest)
+    return kept
 
 
 @dataclass

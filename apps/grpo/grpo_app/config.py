@@ -98,6 +98,9 @@ class EnvConfig:
     # return None / NaN / a non-number); 1.0: only when all fail, 0.0: at the first failure
     max_failed_reward_fraction: float = 1.0
     prompt_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the built-in prompt generator
+    # prompts of more tokens are dropped when loaded, with a warning (verl's filter_overlong_prompts); null:
+    # what generation.backend_kwargs.max_model_len leaves for max_new_tokens where that is set, else no limit
+    max_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_workers < 0:
@@ -155,12 +158,24 @@ class GRPOConfig:
                 f"generation.temperature={self.generation.temperature} but policy.temperature="
                 f"{self.policy.temperature}: the trainer's logprobs must use the sampling temperature; set both"
             )
+        max_model_len = self.generation.backend_kwargs.get("max_model_len")
+        if isinstance(max_model_len, int) and max_model_len <= self.generation.max_new_tokens:
+            raise ConfigError(f"generation.backend_kwargs.max_model_len={max_model_len} leaves no room for a prompt "
+                              f"before generation.max_new_tokens={self.generation.max_new_tokens} new tokens")
         samples = self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
         if samples % self.policy.train_global_batch_size:
             raise ConfigError(
                 f"policy.train_global_batch_size={self.policy.train_global_batch_size} must divide the "
                 f"samples per step (grpo.num_prompts_per_step x num_generations_per_prompt = {samples})"
             )
+
+    @property
+    def prompt_token_limit(self) -> int | None:
+        """The longest prompt a run keeps: env.max_prompt_tokens, else max_model_len - max_new_tokens."""
+        if self.env.max_prompt_tokens is not None:
+            return self.env.max_prompt_tokens
+        max_model_len = self.generation.backend_kwargs.get("max_model_len")
+        return None if max_model_len is None else int(max_model_len) - self.generation.max_new_tokens
 
     @property
     def checkpoint_dir(self) -> Path:

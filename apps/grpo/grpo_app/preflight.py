@@ -50,7 +50,7 @@ INT_BOUNDS: dict[str, int] = {
     "grpo.num_prompts_per_step": 1, "grpo.num_generations_per_prompt": 2, "grpo.max_steps": 1,
     "grpo.val_every": 0, "grpo.num_val_prompts": 1, "grpo.seed": 0, "grpo.max_dynamic_sampling_rounds": 1,
     "generation.max_new_tokens": 1, "generation.top_k": 0, "generation.num_workers": 1,
-    "env.num_workers": 0, "env.num_generated_train_prompts": 1,
+    "env.num_workers": 0, "env.num_generated_train_prompts": 1, "env.max_prompt_tokens": 1,
     "cluster.num_nodes": 1, "cluster.gpus_per_node": 0, "cluster.train_world_size": 1, "cluster.num_cpus": 1,
     "checkpointing.save_every": 1, "checkpointing.keep_top_k": 1,
 }

@@ -294,3 +294,27 @@ def test_cluster_address_that_answers_but_is_not_ray(tmp_path):
     stamps = [datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f") for line in proc.stderr.splitlines()
               if "joining Ray cluster at" in line or "Ray could not join" in line]
     assert len(stamps) == 2 and (stamps[1] - stamps[0]).total_seconds() < 60  # ~40 s: 5 s connect + 30 s GCS
+
+
+def test_prompts_longer_than_the_limit_are_dropped_with_a_warning(caplog):
+    from grpo_app.build import drop_long_prompts
+    from rollout.datasets import PromptExample
+
+    examples = [PromptExample(prompt=str(n), prompt_token_ids=list(range(n))) for n in (3, 9, 5, 12)]
+    with caplog.at_level(logging.WARNING, logger="grpo_app.build"):
+        kept = drop_long_prompts(examples, 5, "train (t.jsonl)")
+    assert [len(e.prompt_token_ids) for e in kept] == [3, 5]
+    assert "dropped 2 of 4 train (t.jsonl) prompts longer than 5 tokens (the longest: 12" in caplog.text
+    assert drop_long_prompts(examples, None, "train") is examples
+
+
+def test_prompt_limit_follows_max_model_len_and_an_empty_set_fails_before_ray(caplog):
+    base = ["policy.model_name=x", "generation.max_new_tokens=6"]
+    assert load_config(None, base).prompt_token_limit is None
+    assert load_config(None, [*base, "generation.backend_kwargs.max_model_len=10"]).prompt_token_limit == 4
+    assert load_config(None, [*base, "generation.backend_kwargs.max_model_len=10", "env.max_prompt_tokens=7"]
+                       ).prompt_token_limit == 7
+    with pytest.raises(ConfigError, match="max_model_len=6 leaves no room for a prompt"):
+        load_config(None, [*base, "generation.backend_kwargs.max_model_len=6"])
+    code, text = run_main(caplog, "env.max_prompt_tokens=1")
+    assert code == 2 and "every train (repeat_char) prompt is longer than 1 tokens" in text, text
