@@ -267,11 +267,12 @@ def test_vllm_refit_checks_names_and_shapes_against_the_checkpoint(tiny_ckpt):
     shapes = checkpoint_shapes(str(tiny_ckpt))
     weights = load_file(tiny_ckpt / "model.safetensors")
     assert shapes == {name: tuple(t.shape) for name, t in weights.items()}
-    assert len(check_named_tensors(weights.items(), shapes, "ckpt")) == len(weights)
+    seen = []
+    assert len(list(check_named_tensors(weights.items(), shapes, "ckpt", seen))) == len(weights) == len(seen)
     with pytest.raises(ValueError, match="'model.bogus.weight' is not a weight of ckpt"):
-        check_named_tensors([("model.bogus.weight", torch.zeros(1))], shapes, "ckpt")
+        list(check_named_tensors([("model.bogus.weight", torch.zeros(1))], shapes, "ckpt"))
     with pytest.raises(ValueError, match=r"'lm_head.weight' has shape \(2, 2\); the model expects \(128, 128\)"):
-        check_named_tensors([("lm_head.weight", torch.zeros(2, 2))], shapes, "ckpt")
+        list(check_named_tensors([("lm_head.weight", torch.zeros(2, 2))], shapes, "ckpt"))
 
 
 @pytest.mark.gpu

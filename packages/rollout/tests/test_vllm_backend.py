@@ -4,6 +4,7 @@ scripts/vllm_lane.sh). Skipped where vLLM does not import (root conftest, marker
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 import torch
@@ -85,6 +86,41 @@ def test_update_weights_must_name_every_weight(backend, tiny_ckpt, tiny_ckpt_oth
             assert completion.token_ids == hf_ref.greedy(hf, prompt, 12)  # the old weights, untouched
     finally:  # the module's backend must hold tiny_ckpt for the other tests, whatever happened above
         backend.update_weights(load_file(tiny_ckpt / "model.safetensors").items())
+
+
+def test_a_streamed_refit_holds_one_exported_tensor_at_a_time(backend, tiny_ckpt, tiny_ckpt_other, prompts,
+                                                              hf_ref):
+    """The trainer's export (an iterator) goes into vLLM as it comes: no list of the whole model, on the
+    device or the host (the refit copied every tensor to the host first: a model-sized host copy per rank).
+    A streamed refit that leaves a weight out is an error after the fact, and a full refit repairs it."""
+    new = load_file(tiny_ckpt_other / "model.safetensors")
+    refs: list[weakref.ref] = []
+    alive_at_yield = []
+
+    def export(names):
+        for name in names:
+            gc.collect()
+            alive_at_yield.append(sum(ref() is not None for ref in refs))  # earlier exported tensors still held
+            tensor = new[name].clone()
+            refs.append(weakref.ref(tensor))
+            yield name, tensor
+            del tensor
+
+    try:
+        backend.update_weights(export(list(new)))
+        assert len(alive_at_yield) == len(new) and max(alive_at_yield) <= 2, alive_at_yield
+        hf = AutoModelForCausalLM.from_pretrained(tiny_ckpt_other, dtype=torch.float32).eval()
+        for prompt, completion in zip(prompts, backend.generate(prompts, SamplingParams(temperature=0.0,
+                                                                                        max_new_tokens=12))):
+            assert completion.token_ids == hf_ref.greedy(hf, prompt, 12)
+        with pytest.raises(ValueError, match="now hold uninitialised memory: refit again"):
+            backend.update_weights(export([n for n in new if n != "model.layers.0.mlp.up_proj.weight"]))
+    finally:  # the module's backend must hold tiny_ckpt for the other tests
+        backend.update_weights(iter(load_file(tiny_ckpt / "model.safetensors").items()))
+    hf = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
+    for prompt, completion in zip(prompts, backend.generate(prompts, SamplingParams(temperature=0.0,
+                                                                                    max_new_tokens=12))):
+        assert completion.token_ids == hf_ref.greedy(hf, prompt, 12)
 
 
 def test_copies_of_a_prompt_are_independent_draws(backend, tiny_ckpt, prompts):

@@ -36,7 +36,7 @@ import os
 import shutil
 import tempfile
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -71,9 +71,9 @@ def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
 
 
 def check_named_tensors(named_tensors: Iterable[tuple[str, Tensor]], shapes: dict[str, tuple[int, ...]],
-                        model_path: str) -> list[tuple[str, Tensor]]:
-    """The refit tensors on CPU, after checking names and shapes against the checkpoint (ValueError)."""
-    checked = []
+                        model_path: str, seen: list[str] | None = None) -> Iterator[tuple[str, Tensor]]:
+    """Each refit tensor (detached, on its device) after checking its name and shape against the checkpoint
+    (ValueError), lazily: one tensor at a time; names are appended to `seen` as they pass."""
     for name, tensor in named_tensors:
         if shapes and name not in shapes:
             raise ValueError(f"update_weights: {name!r} is not a weight of {model_path}; expected Hugging Face "
@@ -81,13 +81,14 @@ def check_named_tensors(named_tensors: Iterable[tuple[str, Tensor]], shapes: dic
         if shapes and tuple(tensor.shape) != shapes[name]:
             raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}; the model expects "
                              f"{shapes[name]}")
-        checked.append((name, tensor.detach().cpu().contiguous()))
-    return checked
+        if seen is not None:
+            seen.append(name)
+        yield name, tensor.detach()
 
 
 def check_complete(names: Iterable[str], shapes: dict[str, tuple[int, ...]], *, tied_embeddings: bool,
-                   model_path: str) -> None:
-    """ValueError unless `names` cover every checkpoint weight vLLM loads.
+                   model_path: str, loaded: bool = False) -> None:
+    """ValueError unless `names` cover every checkpoint weight vLLM loads (`loaded`: they were streamed in).
 
     vLLM's in-place reload rebuilds every layer it loads into from uninitialised memory, so the weights a
     refit leaves out of a layer it touches become garbage; a tied LM head (its weight is the embedding's) and
@@ -100,9 +101,10 @@ def check_complete(names: Iterable[str], shapes: dict[str, tuple[int, ...]], *, 
                      and not (tied_embeddings and name == "lm_head.weight"))
     if missing:
         shown = ", ".join(repr(name) for name in missing[:5]) + (" ..." if len(missing) > 5 else "")
+        consequence = ("the layers they belong to now hold uninitialised memory: refit again with every weight"
+                       if loaded else "a partial one would leave uninitialised memory in the layers it touches")
         raise ValueError(f"update_weights: {len(missing)} weight(s) of {model_path} missing from the refit ({shown}); "
-                         "vLLM reloads whole layers, so a refit must send every weight (a partial one would leave "
-                         "uninitialised memory in the layers it touches)")
+                         f"vLLM reloads whole layers, so a refit must send every weight ({consequence})")
 
 
 _MASK64 = (1 << 64) - 1
@@ -264,11 +266,19 @@ class VLLMGenerationBackend:
         """Reload Hugging Face-named weights in place (reload_weights), then drop the prefix cache.
 
         Strict: every name and shape is checked against the checkpoint, and every weight must be there
-        (`check_complete`), before anything is loaded.
+        (`check_complete`). A list (or tuple) is checked whole before anything is loaded. Any other iterable
+        (the trainer's export) is streamed in-process: each tensor is checked and loaded as it comes, so no
+        second copy of the model is held, on the device or the host; an error then leaves the model partly
+        updated (refit again), as the torch backend's. The multi-process refit writes host copies (a file).
         """
-        weights = check_named_tensors(named_tensors, self._shapes, self.model_path)
-        check_complete((name for name, _ in weights), self._shapes, tied_embeddings=self._tied_embeddings,
-                       model_path=self.model_path)
+        complete = dict(shapes=self._shapes, tied_embeddings=self._tied_embeddings, model_path=self.model_path)
+        names: list[str] = []
+        weights: Iterable[tuple[str, Tensor]] = check_named_tensors(named_tensors, self._shapes, self.model_path,
+                                                                   names)
+        streamed = self._refit == "tensors" and not isinstance(named_tensors, (list, tuple))
+        if not streamed:
+            weights = list(weights) if self._refit == "tensors" else [(n, t.cpu().contiguous()) for n, t in weights]
+            check_complete(names, **complete)
         if self._sleeping and self._sleep_mode and not self._weights_awake:
             # Asleep, the weights sit in host memory (level 1) or nowhere (level 2), and a full wake_up would
             # copy the old host copy over whatever is loaded now: wake the weights alone first (verl's order);
@@ -280,6 +290,8 @@ class VLLMGenerationBackend:
         else:
             path = self._write_refit_dir(weights)
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+        if streamed:
+            check_complete(names, loaded=True, **complete)
         if self._cpu and self._tied_embeddings:  # the head's packed copy (RefitWorkerExtension)
             self.llm.collective_rpc("rollout_repack_embeddings")
         self.llm.reset_prefix_cache()
