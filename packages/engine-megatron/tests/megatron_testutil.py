@@ -8,6 +8,7 @@ Results carry the global sequence indices so that runs with different layouts ca
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import torch
@@ -60,25 +61,114 @@ def dp_indices(n: int, dp_rank: int, dp_size: int, uneven: bool = False) -> list
     return list(range(dp_rank, n - 1, dp_size - 1))
 
 
+def engine_layout(engine: Any) -> dict[str, Any]:
+    """What this rank really runs: megatron's process-grid sizes (parallel_state, not the config the test
+    asked for), the engine's packing setting, and the parameter elements this rank holds (fewer than
+    the 1-rank model's exactly when TP/PP/EP shard it)."""
+    from megatron.core import parallel_state as ps
+
+    return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
+            "cp": ps.get_context_parallel_world_size(), "ep": ps.get_expert_model_parallel_world_size(),
+            "dp": ps.get_data_parallel_world_size(), "packing": engine.settings.packing,
+            "numel": sum(p.numel() for p in engine.model.parameters())}
+
+
+def record_micro_batches(engine: Any) -> list[list[tuple[int, int, int, bool]]]:
+    """Wrap `engine._micro_batches`: per call, (real sequences, rows, columns, packed) of every micro-batch
+    handed to megatron's schedule (packed: it carries THD PackedSeqParams; 0 sequences: a dummy)."""
+    calls: list[list[tuple[int, int, int, bool]]] = []
+    inner = engine._micro_batches
+
+    def recording(batch: TokenBatch, mb_plan: Any) -> list:
+        mbs = inner(batch, mb_plan)
+        calls.append([(len(mb.batch) if mb.weight else 0, *mb.shape, mb.packed_seq_params is not None)
+                      for mb in mbs])
+        return mbs
+
+    engine._micro_batches = recording
+    return calls
+
+
 def engine_run(rank: int, world_size: int, ckpt: str, megatron_cfg: dict[str, Any], policy_kw: dict[str, Any],
-               steps: int = 1, export: bool = True, seed: int = 0, uneven: bool = False) -> dict[str, Any]:
-    """Build, logprobs, `steps` x train_batch, logprobs again, export; per-rank results by global index."""
+               steps: int = 1, export: bool = True, seed: int = 0, uneven: bool = False,
+               agg: str = LOSS.agg) -> dict[str, Any]:
+    """Build, logprobs, `steps` x train_batch, logprobs again, export; per-rank results by global index,
+    plus the layout that really ran (`engine_layout`, and the micro-batches of each train step)."""
     from engine_megatron.engine import MegatronEngine
 
     engine = MegatronEngine(make_policy(ckpt, megatron_cfg, **policy_kw))
+    calls = record_micro_batches(engine)
     batch = global_batch(seed)
     indices = dp_indices(len(batch), engine.dp_rank, engine.dp_size, uneven)
     mine = batch.select(indices)
     before = engine.compute_logprobs(mine)
     mine = mine.with_fields(prev_logprobs=[lp.clone() for lp in before])
-    loss = ClippedPGLoss(LOSS)
-    metrics = [engine.train_batch(mine, loss) for _ in range(steps)]
+    loss = ClippedPGLoss(dataclasses.replace(LOSS, agg=agg))
+    metrics, train_mbs = [], []
+    for _ in range(steps):
+        metrics.append(engine.train_batch(mine, loss))
+        train_mbs.append(calls.pop())
     after = engine.compute_logprobs(mine)
     weights = None
     if export:
         exported = {name: tensor.clone() for name, tensor in engine.export_hf_weights()}
         weights = exported if rank == 0 else sorted(exported)
-    return {"indices": indices, "before": before, "after": after, "metrics": metrics, "weights": weights}
+    return {"indices": indices, "before": before, "after": after, "metrics": metrics, "weights": weights,
+            "layout": {**engine_layout(engine), "train_micro_batches": train_mbs}}
+
+
+def expected_layout(world_size: int, megatron_cfg: dict[str, Any], policy_kw: dict[str, Any]) -> dict[str, Any]:
+    """The process grid and packing a run of `megatron_cfg` / `policy_kw` on `world_size` ranks must have."""
+    tp = megatron_cfg.get("tensor_model_parallel_size", 1)
+    pp = megatron_cfg.get("pipeline_model_parallel_size", 1)
+    cp = megatron_cfg.get("context_parallel_size", 1)
+    return {"tp": tp, "pp": pp, "cp": cp, "ep": megatron_cfg.get("expert_model_parallel_size", 1),
+            "dp": world_size // (tp * pp * cp),
+            "packing": bool(policy_kw.get("sequence_packing", {}).get("enabled", False))}
+
+
+def assert_layout(run: list[dict[str, Any]], world_size: int, megatron_cfg: dict[str, Any],
+                  policy_kw: dict[str, Any], ref: list[dict[str, Any]] | None = None) -> None:
+    """Each rank of `run` (engine_run results) ran the layout its config asks for, not a silent fallback
+    (at world size 2 a dropped TP/PP becomes DP=2, dropped packing becomes padded rows: same numbers).
+
+    Per rank and train step: the grid sizes from parallel_state, settings.packing, every micro-batch
+    packed (one row with PackedSeqParams) or padded accordingly, each within its budget (train_mb_tokens,
+    or train_micro_batch_size rows), every local sequence in exactly one micro-batch, the same count on
+    every DP rank, = the step's num_micro_batches; for padded micro-batches of at most
+    train_micro_batch_size sequences that count is ceil(largest DP shard / train_micro_batch_size).
+    With `ref` (the 1-rank run): a rank holds fewer parameter elements exactly when TP, PP or EP > 1.
+    """
+    want = expected_layout(world_size, megatron_cfg, policy_kw)
+    policy = {**POLICY, **policy_kw}
+    packing, dynamic = policy.get("sequence_packing", {}), policy.get("dynamic_batching", {})
+    budget = packing.get("train_mb_tokens") if want["packing"] else (
+        dynamic.get("train_mb_tokens") if dynamic.get("enabled") else None)
+    mb_size = policy["train_micro_batch_size"]
+    largest = max(len(res["indices"]) for res in run)
+    assert len(run) == world_size
+    for rank, res in enumerate(run):
+        layout = res["layout"]
+        got = {k: layout[k] for k in want}
+        assert got == want, f"rank {rank} ran {got}, its config asks for {want}"
+        for step, mbs in enumerate(layout["train_micro_batches"]):
+            where = f"rank {rank} step {step}: {mbs}"
+            assert res["metrics"][step]["num_micro_batches"] == len(mbs), where
+            assert len(mbs) == len(run[0]["layout"]["train_micro_batches"][step]), where  # same count per rank
+            assert sum(n for n, *_ in mbs) == len(res["indices"]), where
+            assert all(packed == want["packing"] for *_, packed in mbs), where
+            if want["packing"]:
+                assert all(rows == 1 and cols <= budget for _, rows, cols, _ in mbs), where
+            elif budget is not None:
+                assert all(rows * cols <= budget for _, rows, cols, _ in mbs), where
+            else:
+                assert all(rows <= mb_size for _, rows, _, _ in mbs), where
+                assert len(mbs) == -(-largest // mb_size), where
+        if ref is not None:
+            sharded = want["tp"] * want["pp"] * want["ep"] > 1
+            ref_numel = ref[0]["layout"]["numel"]
+            assert (layout["numel"] < ref_numel) if sharded else (layout["numel"] == ref_numel), (
+                rank, layout["numel"], ref_numel)
 
 
 def by_index(results: list[dict[str, Any]], key: str) -> dict[int, torch.Tensor]:
@@ -129,13 +219,16 @@ def weight_diffs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tupl
 _REFERENCES: dict[tuple, list[dict[str, Any]]] = {}
 
 
-def reference_run(ckpt: str, policy_kw: dict[str, Any] | None = None, steps: int = 1) -> list[dict[str, Any]]:
+def reference_run(ckpt: str, policy_kw: dict[str, Any] | None = None, steps: int = 1,
+                  agg: str = LOSS.agg) -> list[dict[str, Any]]:
     """The 1-rank (TP=PP=DP=EP=1, padded) run of `ckpt`, computed once per session."""
     from rl_core.testing.distributed import run_distributed
 
-    key = (ckpt, repr(sorted((policy_kw or {}).items())), steps)
+    key = (ckpt, repr(sorted((policy_kw or {}).items())), steps, agg)
     if key not in _REFERENCES:
-        _REFERENCES[key] = run_distributed(engine_run, world_size=1, args=(ckpt, {}, policy_kw or {}, steps))
+        _REFERENCES[key] = run_distributed(engine_run, world_size=1,
+                                           args=(ckpt, {}, policy_kw or {}, steps, True, 0, False, agg))
+        assert_layout(_REFERENCES[key], 1, {}, policy_kw or {})
     return _REFERENCES[key]
 
 

@@ -6,7 +6,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from megatron_testutil import LOSS, VOCAB, dp_indices, global_batch, make_policy
+from megatron_testutil import (
+    LOSS,
+    VOCAB,
+    dp_indices,
+    engine_layout,
+    expected_layout,
+    global_batch,
+    make_policy,
+)
 
 from rl_core.losses import ClippedPGLoss
 from rl_core.testing.contracts import check_training_engine
@@ -33,6 +41,7 @@ def _resume(rank: int, world_size: int, ckpt: str, megatron_cfg: dict, save_dir:
         return MegatronEngine(make_policy(ckpt, megatron_cfg, **SCHEDULE))
 
     engine = fresh()
+    layouts = [engine_layout(engine)]
     batch = global_batch(3)
     batch = batch.select(dp_indices(len(batch), engine.dp_rank, engine.dp_size))
     _train(engine, batch, 2)
@@ -42,6 +51,7 @@ def _resume(rank: int, world_size: int, ckpt: str, megatron_cfg: dict, save_dir:
     straight_w = dict(engine.export_hf_weights())
 
     engine = fresh()  # a new engine: weights from the HF checkpoint, optimizer empty, scheduler at 0
+    layouts.append(engine_layout(engine))
     engine.load_checkpoint(save_dir)
     resumed = _train(engine, batch, 2)
     resumed_lp = engine.compute_logprobs(batch)
@@ -52,6 +62,8 @@ def _resume(rank: int, world_size: int, ckpt: str, megatron_cfg: dict, save_dir:
         "weights_equal": sorted(straight_w) == sorted(resumed_w)
         and all(torch.equal(straight_w[k], resumed_w[k]) for k in straight_w),
         "files": sorted(p.name for p in Path(save_dir).parent.iterdir()),
+        "layouts": layouts,
+        "num_sequences": len(batch),
     }
 
 
@@ -66,8 +78,12 @@ def _resume(rank: int, world_size: int, ckpt: str, megatron_cfg: dict, save_dir:
 def test_save_load_continue_is_bitwise(tiny_ckpt, tmp_path: Path, arch: str, world: int, megatron_cfg: dict) -> None:
     results = run_distributed(_resume, world_size=world, args=(tiny_ckpt(arch), megatron_cfg,
                                                                str(tmp_path / "ckpt" / "step2")))
+    want = expected_layout(world, megatron_cfg, {})  # not a silent DP=2 in place of TP/PP=2
     for res in results:
         straight, resumed = res["metrics"]
+        assert [{k: layout[k] for k in want} for layout in res["layouts"]] == [want, want], res["layouts"]
+        # 8 sequences over DP ranks, in padded micro-batches of train_micro_batch_size = 2
+        assert res["num_sequences"] == 8 // want["dp"] and straight[0]["num_micro_batches"] == 4 // want["dp"]
         assert straight == resumed, (straight, resumed)  # loss, grad norm, lr (scheduler), metrics: exact
         assert res["logprobs_equal"] and res["weights_equal"]
         assert res["files"] == ["step2"], "a temporary checkpoint directory was left behind"

@@ -13,6 +13,7 @@ import logging
 import pytest
 import torch
 from megatron_testutil import (
+    assert_layout,
     assert_same_run,
     by_index,
     engine_run,
@@ -66,8 +67,25 @@ def test_layout_equals_single_rank(tiny_ckpt, layout: str) -> None:
     world, megatron_cfg, policy_kw = LAYOUTS[layout]
     ckpt = tiny_ckpt("qwen2")
     run = run_distributed(engine_run, world_size=world, args=(ckpt, megatron_cfg, policy_kw))
+    assert_layout(run, world, megatron_cfg, policy_kw, reference_run(ckpt))
     diffs = assert_same_run(run, reference_run(ckpt))
     logger.info("qwen2 %s vs 1 rank: %s", layout, diffs)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "seq-mean-token-sum"])
+def test_sequence_level_aggregation_across_dp(tiny_ckpt, agg: str) -> None:
+    """DP=2 == 1 rank for the sequence-level aggregations: their normaliser is the number of sequences of
+    the GLOBAL batch (all-reduced over DP), where each rank holds half of them. A rank-local count would
+    double loss and grad norm here (the update itself hides it: clipping and Adam are scale-free)."""
+    ckpt = tiny_ckpt("qwen2")
+    ref = reference_run(ckpt, agg=agg)
+    losses = {reference_run(ckpt, agg=a)[0]["metrics"][0]["loss"] for a in ("token-mean", agg)}
+    assert len(losses) == 2, "the aggregation should change the loss, else this case checks nothing"
+    run = run_distributed(engine_run, world_size=2, args=(ckpt, {}, {}, 1, True, 0, False, agg))
+    assert_layout(run, 2, {}, {}, ref)
+    diffs = assert_same_run(run, ref)
+    logger.info("qwen2 DP=2 %s vs 1 rank: %s", agg, diffs)
 
 
 @pytest.mark.distributed
@@ -77,6 +95,7 @@ def test_uneven_dp_shards_run_dummy_micro_batches(tiny_ckpt, megatron_cfg: dict)
     ckpt = tiny_ckpt("qwen3_moe" if megatron_cfg else "qwen2")
     run = run_distributed(_uneven_run, world_size=2, args=(ckpt, megatron_cfg))
     assert [len(r["indices"]) for r in run] == [7, 1]
+    assert_layout(run, 2, megatron_cfg, {}, reference_run(ckpt))
     diffs = assert_same_run(run, reference_run(ckpt))
     logger.info("%s uneven DP shards vs 1 rank: %s", "qwen3_moe EP=2" if megatron_cfg else "qwen2", diffs)
 
@@ -98,6 +117,7 @@ def test_expert_parallel_equals_single_rank(tiny_ckpt, arch: str, megatron_cfg: 
         hf = dict(enumerate(hf_target_logprobs(ckpt, global_batch(0))))
         assert max_abs_diff(by_index(ref, "before"), hf) <= 1e-5
     run = run_distributed(engine_run, world_size=2, args=(ckpt, megatron_cfg, {}))
+    assert_layout(run, 2, megatron_cfg, {}, ref)
     diffs = assert_same_run(run, ref)
     logger.info("%s %s vs one rank: %s", arch, megatron_cfg, diffs)
 
@@ -125,6 +145,7 @@ def test_bf16_tracks_fp32(tiny_ckpt) -> None:
     run = run_distributed(engine_run, world_size=2,
                           args=(ckpt, {"tensor_model_parallel_size": 2}, {"precision": "bfloat16"}))
     ref = reference_run(ckpt)
+    assert_layout(run, 2, {"tensor_model_parallel_size": 2}, {}, ref)
     logprobs = max_abs_diff(by_index(run, "before"), by_index(ref, "before"))
     m, m_ref = run[0]["metrics"][0], ref[0]["metrics"][0]
     assert logprobs <= 0.05 and abs(m["grad_norm"] / m_ref["grad_norm"] - 1) <= 1e-2, (logprobs, m, m_ref)

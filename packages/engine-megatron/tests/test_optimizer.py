@@ -6,10 +6,13 @@ import math
 
 import pytest
 import torch
-from megatron_testutil import LOSS, global_batch, make_policy
+from megatron_testutil import LOSS, POLICY, global_batch, make_policy
 
 from rl_core.losses import ClippedPGLoss
 from rl_core.testing.distributed import run_distributed
+
+SCHEDULE = {"warmup_steps": 2, "decay": "cosine", "total_steps": 5, "min_lr_ratio": 0.1}
+LR = POLICY["optimizer"]["kwargs"]["lr"]
 
 
 def _nan_loss(inputs):
@@ -17,27 +20,29 @@ def _nan_loss(inputs):
     return loss * float("nan"), metrics
 
 
-def _skip(rank: int, world_size: int, ckpt: str) -> tuple[dict, bool, dict]:
+def _skip(rank: int, world_size: int, ckpt: str) -> tuple[dict, bool, list[dict]]:
     from engine_megatron.engine import MegatronEngine
 
-    engine = MegatronEngine(make_policy(ckpt, {"tensor_model_parallel_size": world_size}))
+    # warming up: the lr moves every step, so a skipped step that advanced the schedule would show
+    engine = MegatronEngine(make_policy(ckpt, {"tensor_model_parallel_size": world_size}, scheduler=SCHEDULE))
     batch = global_batch(0)
     before = engine.compute_logprobs(batch)
     batch = batch.with_fields(prev_logprobs=before)
     skipped = engine.train_batch(batch, _nan_loss)
     unchanged = all(torch.equal(a, b) for a, b in zip(before, engine.compute_logprobs(batch)))
-    return skipped, unchanged, engine.train_batch(batch, ClippedPGLoss(LOSS))
+    return skipped, unchanged, [engine.train_batch(batch, ClippedPGLoss(LOSS)) for _ in range(2)]
 
 
 @pytest.mark.distributed
 def test_non_finite_grad_norm_skips_the_step(tiny_ckpt) -> None:
+    warm = SCHEDULE["warmup_steps"]
     for skipped, unchanged, after in run_distributed(_skip, world_size=2, args=(tiny_ckpt("qwen2"),)):
         assert skipped["skipped"] == 1.0 and not math.isfinite(skipped["grad_norm"]) and unchanged
-        # the skipped step did not advance the schedule, and training goes on normally afterwards
-        assert after["skipped"] == 0.0 and math.isfinite(after["grad_norm"]) and after["lr"] == skipped["lr"]
-
-
-SCHEDULE = {"warmup_steps": 2, "decay": "cosine", "total_steps": 5, "min_lr_ratio": 0.1}
+        # training goes on normally afterwards, and the skipped step did not advance the schedule: the
+        # next two steps are warmup steps 0 and 1 (lr / warm, 2 lr / warm), as the skipped one was step 0
+        assert all(m["skipped"] == 0.0 and math.isfinite(m["grad_norm"]) for m in after), after
+        lrs = [skipped["lr"], *(m["lr"] for m in after)]
+        assert lrs == pytest.approx([LR / warm, LR / warm, 2 * LR / warm], rel=1e-12, abs=0), lrs
 
 
 def _lrs(rank: int, world_size: int, ckpt: str) -> list[float]:
@@ -52,7 +57,7 @@ def _lrs(rank: int, world_size: int, ckpt: str) -> list[float]:
 @pytest.mark.distributed
 def test_lr_follows_policy_scheduler(tiny_ckpt) -> None:
     """Linear warmup from lr/warmup, then cosine to min_lr_ratio * lr at total_steps, then flat."""
-    lr, warm, total, floor = 1e-3, 2, 5, 0.1
+    lr, warm, total, floor = LR, 2, 5, 0.1
 
     def expected(step: int) -> float:  # written from the policy.scheduler docstring
         if step < warm:

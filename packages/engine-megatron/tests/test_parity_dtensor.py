@@ -13,6 +13,7 @@ import logging
 import pytest
 from megatron_testutil import (
     LOSS,
+    assert_layout,
     by_index,
     dp_indices,
     engine_run,
@@ -56,6 +57,7 @@ def test_dtensor_and_megatron_agree(tiny_ckpt, arch: str, layout: str) -> None:
     dtensor = run_distributed(_dtensor_run, world_size=2, args=(ckpt,))
     megatron_cfg = {"tensor_model_parallel_size": 2} if layout == "tp2" else {}
     megatron = run_distributed(engine_run, world_size=2, args=(ckpt, megatron_cfg, {}))
+    assert_layout(megatron, 2, megatron_cfg, {})  # TP=2 really ran as TP=2, not as DP=2
     logprobs = max_abs_diff(by_index(megatron, "before"), by_index(dtensor, "before"))
     after = max_abs_diff(by_index(megatron, "after"), by_index(dtensor, "after"))
     m, d = megatron[0]["metrics"][0], dtensor[0]["metrics"][0]

@@ -57,7 +57,11 @@ def test_megatron_save_hf_equals_dtensor_and_mcore2hf(tiny_ckpt, tmp_path: Path)
     moved, _ = weight_diffs(megatron, initial)
     assert moved > 1e-4 and rel <= 1e-5, (moved, rel, absolute)  # trained, and the same step as DTensor
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "megatron/hf", dtype=torch.float32)
-    assert all(torch.equal(p, megatron[n]) for n, p in loaded.state_dict().items() if n in megatron)
+    # the same names both ways (untied embeddings; rotary inv_freq is a non-persistent buffer): a config.json
+    # that disagrees with the weights would leave HF parameters randomly initialised, or weights unread
+    state = loaded.state_dict()
+    assert state.keys() == megatron.keys(), sorted(state.keys() ^ megatron.keys())
+    assert all(torch.equal(p, megatron[n]) for n, p in state.items())
     assert (tmp_path / "megatron/hf/tokenizer.json").exists()
 
     converted = tmp_path / "converted"
