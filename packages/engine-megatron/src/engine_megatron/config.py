@@ -198,14 +198,12 @@ def parse_megatron_config(raw: dict[str, Any], section: str = SECTION) -> Megatr
     _check_fields(section, "optimizer", cfg.optimizer, _optimizer_fields())
     _check_fields(section, "scheduler", cfg.scheduler, _scheduler_fields())
     _check_fields(section, "distributed_data_parallel_config", cfg.distributed_data_parallel_config, _ddp_fields())
-    for key in ("overlap_grad_reduce", "overlap_param_gather"):
-        if cfg.distributed_data_parallel_config.get(key):
-            # Both need hooks the engine does not install (megatron's no_sync / grad-sync functions in the
-            # schedule; a param all-gather before weights are read): measured on CPU, DP2, megatron-core 0.16.
-            raise ConfigError(f"{section}.distributed_data_parallel_config.{key}=true is not supported by this "
-                              "engine: gradients would be reduced at the wrong micro-batch (overlap_grad_reduce) "
-                              "or the refit would send parameters from before the step (overlap_param_gather); "
-                              "remove the key")
+    if cfg.distributed_data_parallel_config.get("overlap_param_gather"):
+        # It defers the distributed optimizer's parameter all-gather to the next forward, but the refit reads
+        # every weight right after the step (it sent half of them from before the step: CPU, DP2); and with
+        # a refit per step there is nothing for the gather to overlap with.
+        raise ConfigError(f"{section}.distributed_data_parallel_config.overlap_param_gather=true is not supported: "
+                          "the weight refit after every step needs the parameters gathered at once; remove the key")
     cfg.transformer_config = extra
     return cfg
 

@@ -121,6 +121,12 @@ def build_ddp_model(model_cfg: Any, ddp_overrides: dict[str, Any], ranks: Parall
                                         module=module)
     # The schedules call this after the last backward: DP (and embedding/expert) grad all-reduce.
     tf_config.finalize_model_grads_func = finalize_model_grads
+    if model.ddp_config.overlap_grad_reduce:
+        # as megatron's own training loop: the schedules hold the bucket reduce back for all but the last
+        # micro-batch (no_sync) and launch it during that one's backward (start_grad_sync); without these a
+        # bucket is reduced at the first micro-batch and megatron fails when the step's last one finishes
+        tf_config.no_sync_func = model.no_sync
+        tf_config.grad_sync_func = model.start_grad_sync
     return model
 
 
