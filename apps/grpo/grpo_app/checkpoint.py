@@ -127,8 +127,17 @@ def run_identity(cfg: Any) -> dict[str, Any]:
 def check_identity(resume_point: ResumePoint, identity: dict[str, Any], *, allow_change: bool) -> None:
     """Refuse to resume under a different model, engine layout or task unless explicitly allowed."""
     saved = resume_point.state.get("identity", {})
-    changed = [f"{key}: checkpoint {saved.get(key)!r}, config {value!r}" for key, value in identity.items()
-               if saved.get(key, value) != value]
+    changed = []
+    for key in sorted(identity.keys() | saved.keys()):
+        if key.endswith("_parallel_size"):  # an unset size is the engine's default (1; expert TP: = TP)
+            default = None if key.endswith("expert_tensor_parallel_size") else 1
+            old, new = saved.get(key, default), identity.get(key, default)
+        elif key not in saved:  # recorded only by newer versions: nothing to compare with
+            continue
+        else:
+            old, new = saved[key], identity.get(key)
+        if old != new:
+            changed.append(f"{key}: checkpoint {old!r}, config {new!r}")
     if not changed:
         return
     detail = "; ".join(changed)

@@ -129,6 +129,15 @@ def test_resume_with_changed_model_engine_layout_or_task_is_refused(override):
     check_identity(point, run_identity(config()), allow_change=False)  # unchanged: fine
 
 
+def test_an_unset_parallel_size_is_the_default_one():
+    """`tensor_parallel_size: 1` and no key are one layout; a size set on one side only is a change."""
+    explicit = ResumePoint(Path("c"), {"identity": run_identity(config("policy.dtensor_cfg.tensor_parallel_size=1"))})
+    check_identity(explicit, run_identity(config()), allow_change=False)
+    two = ResumePoint(Path("c"), {"identity": run_identity(config("policy.dtensor_cfg.tensor_parallel_size=2"))})
+    with pytest.raises(CheckpointError, match=r"policy.dtensor_cfg.tensor_parallel_size: checkpoint 2, config 1"):
+        check_identity(two, run_identity(config()), allow_change=False)
+
+
 def test_resume_past_max_steps_is_refused(tmp_path):
     """A finished run restarted with a smaller grpo.max_steps: an error, nothing of the run rewritten."""
     from grpo_app.build import find_resume_point
