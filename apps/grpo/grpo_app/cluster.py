@@ -64,7 +64,12 @@ def start_ray(cfg: GRPOConfig) -> None:
     # Ray starts workers at niceness 15 (to keep its own daemons responsive); here the workers are the
     # training itself, and on a shared machine niceness 15 hands their cores to any other process.
     os.environ.setdefault("RAY_worker_niceness", "0")
-    ray.init(num_cpus=cfg.cluster.num_cpus or os.cpu_count(), include_dashboard=False,
+    if os.environ.get("RAY_ADDRESS"):
+        logger.warning("RAY_ADDRESS=%s is set but cluster.address is not: starting a local Ray (set "
+                       "cluster.address=auto to join that cluster)", os.environ["RAY_ADDRESS"])
+    # address "local": a new local Ray even where RAY_ADDRESS is set or a `ray start` cluster runs on this
+    # machine (ray.init() would join it, and then refuses num_cpus)
+    ray.init(address="local", num_cpus=cfg.cluster.num_cpus or os.cpu_count(), include_dashboard=False,
              _node_ip_address=LOOPBACK, log_to_driver=True, configure_logging=False)
 
 

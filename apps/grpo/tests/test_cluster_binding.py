@@ -61,3 +61,16 @@ def test_local_run_listens_on_loopback_only():
         assert len(listening) >= 5
     finally:
         ray.shutdown()
+
+
+def test_a_local_run_starts_its_own_ray_where_another_cluster_is_announced(monkeypatch, caplog):
+    """cluster.address unset means a local Ray, even with RAY_ADDRESS set (or a `ray start` cluster on the
+    machine): ray.init() would try to join it (here: nothing listens) and refuses num_cpus if it could."""
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    with caplog.at_level("WARNING", logger="grpo_app.cluster"):
+        start_ray(load_config(None, ["cluster.num_cpus=1"]))
+    try:
+        assert ray.is_initialized() and ray.cluster_resources()["CPU"] == 1
+        assert "RAY_ADDRESS=127.0.0.1:1 is set but cluster.address is not" in caplog.text
+    finally:
+        ray.shutdown()
