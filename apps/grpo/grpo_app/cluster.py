@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -33,6 +35,9 @@ logger = logging.getLogger(__name__)
 
 
 LOOPBACK = "127.0.0.1"
+# How long a cluster that nodes can still join (cluster.address) gets to place the layout's GPUs before the run
+# stops with an error naming the cluster.* keys (an autoscaler bringing up GPU nodes takes minutes, not this).
+PLACEMENT_TIMEOUT_S = 1800.0
 
 
 def start_ray(cfg: GRPOConfig) -> None:
@@ -105,10 +110,17 @@ def _node_address() -> tuple[str, int]:
     return ray.util.get_node_ip_address(), free_port()
 
 
-def wait_for_placement(group: Any, needed: int, *, can_grow: bool, every_s: float = 60.0) -> None:
+@ray.remote(num_cpus=0)
+def _path_exists(path: str) -> bool:
+    return os.path.exists(path)
+
+
+def wait_for_placement(group: Any, needed: int, *, can_grow: bool, every_s: float = 60.0,
+                       timeout_s: float = PLACEMENT_TIMEOUT_S, layout: str = "") -> None:
     """Wait until Ray has placed `group` (`needed` one-GPU bundles). A local Ray that sees fewer GPUs can
     never place it (Ray would wait silently forever): that is a ConfigError; a cluster nodes can join
-    (cluster.address) is waited for, saying every `every_s` what it lacks."""
+    (cluster.address) is waited for, saying every `every_s` what it lacks, and after `timeout_s` it is a
+    ConfigError too. `layout` names the cluster.* values that asked for the bundles."""
     total = int(ray.cluster_resources().get("GPU", 0))
     if not can_grow and total < needed:
         raise ConfigError(
@@ -116,31 +128,88 @@ def wait_for_placement(group: Any, needed: int, *, can_grow: bool, every_s: floa
             f"(and cluster.train_world_size) to what it has, or check CUDA_VISIBLE_DEVICES")
     waited = 0.0
     while True:
+        wait_s = min(every_s, timeout_s - waited)
         try:
-            ray.get(group.ready(), timeout=every_s)
+            ray.get(group.ready(), timeout=wait_s)
             return
         except ray.exceptions.GetTimeoutError:
-            waited += every_s
-            logger.warning("waited %.0f s for %d one-GPU bundles: the Ray cluster has %d GPU(s), %d free",
-                           waited, needed, int(ray.cluster_resources().get("GPU", 0)),
-                           int(ray.available_resources().get("GPU", 0)))
+            waited += wait_s
+            have = (f"the Ray cluster has {int(ray.cluster_resources().get('GPU', 0))} GPU(s), "
+                    f"{int(ray.available_resources().get('GPU', 0))} free")
+            if waited >= timeout_s:
+                # else Ray would place it once GPUs free up, and hold them for a run that has stopped
+                ray.util.remove_placement_group(group)
+                raise ConfigError(
+                    f"Ray could not place {needed} one-GPU bundles in {waited:.0f} s ({layout}): {have}. Start "
+                    "the missing nodes (apps/grpo/GPU.md), or lower cluster.num_nodes / cluster.train_world_size "
+                    "to what the cluster has") from None
+            logger.warning("waited %.0f s for %d one-GPU bundles: %s (%s)", waited, needed, have, layout)
+
+
+def node_major_bundles(bundle_nodes: Sequence[str], world_size: int, gpus_per_node: int) -> list[int]:
+    """Bundle indices in the order the layout uses them (policy ranks, then generation workers), given the
+    node of each bundle: node by node, the nodes holding most bundles first, so policy rank r sits on
+    node r // gpus_per_node and every block of `gpus_per_node` consecutive ranks (each tensor-parallel group,
+    each vLLM replica of the policy ranks) shares one node.
+
+    Needed because Ray's PACK numbers bundles across nodes in no node order: it sorts the bundles with
+    std::sort, not stable, before filling node after node (src/ray/raylet/scheduling/policy/
+    bundle_scheduling_policy.cc, SortRequiredResources / BundlePackSchedulingPolicy::Schedule); with more
+    than 16 identical bundles bundle 0 and bundles 9-15 can share a node while 1-8 sit on another.
+    A block that Ray split over two nodes (some node had fewer free GPUs than cluster.gpus_per_node) is a
+    ConfigError: its tensor-parallel traffic would cross the network."""
+    by_node: dict[str, list[int]] = {}
+    for index, node in enumerate(bundle_nodes):
+        by_node.setdefault(node, []).append(index)
+    order = [i for indices in sorted(by_node.values(), key=len, reverse=True) for i in indices]  # stable sort
+    for start in range(0, world_size, gpus_per_node):
+        ranks = range(start, min(start + gpus_per_node, world_size))
+        if len({bundle_nodes[order[r]] for r in ranks}) > 1:
+            per_node = ", ".join(str(len(indices)) for indices in by_node.values())
+            raise ConfigError(
+                f"Ray placed policy ranks {ranks.start}-{ranks.stop - 1} on more than one node (GPUs of this run "
+                f"per node: {per_node}), so their tensor-parallel groups would cross nodes: every node needs "
+                f"cluster.gpus_per_node={gpus_per_node} free GPUs; free them, or set cluster.gpus_per_node and "
+                "cluster.num_nodes to what the nodes have")
+    return order
 
 
 class Placement:
     """Where actors go. On CPU: anywhere on the local Ray (no GPUs to pin). On GPUs: one placement-group
-    bundle per GPU the layout needs (`num_gpus_needed`): the policy ranks' first (PACK: fill nodes in
-    order), then those of generation workers on GPUs of their own; generation inside the policy ranks
-    needs none (refit_path refuses a separate generation worker sharing a policy rank's GPU)."""
+    bundle per GPU the layout needs (`num_gpus_needed`, PACK: as few nodes as possible): the policy ranks'
+    first, node-major (`node_major_bundles`), then those of generation workers on GPUs of their own;
+    generation inside the policy ranks needs none (refit_path refuses a separate generation worker sharing
+    a policy rank's GPU). Ray gives each actor its one GPU as CUDA_VISIBLE_DEVICES, so inside it the
+    device is cuda:0 and LOCAL_RANK is 0."""
 
     def __init__(self, cfg: GRPOConfig) -> None:
         self.cfg = cfg
         self.group = None
+        needed = num_gpus_needed(cfg)
+        self.bundles = list(range(needed))  # bundle of the i-th GPU user: policy ranks, then generation workers
         if cfg.cluster.gpus_per_node:
-            from ray.util.placement_group import placement_group
+            from ray.util.placement_group import placement_group, placement_group_table
 
-            needed = num_gpus_needed(cfg)
+            cluster = cfg.cluster
+            layout = (f"cluster.num_nodes={cluster.num_nodes} x cluster.gpus_per_node={cluster.gpus_per_node}, "
+                      f"cluster.train_world_size={cluster.train_world_size}"
+                      + (f" + generation.num_workers={needed - cluster.train_world_size}"
+                         if needed > cluster.train_world_size else ""))
             self.group = placement_group([{"GPU": 1, "CPU": 1}] * needed, strategy="PACK")
-            wait_for_placement(self.group, needed, can_grow=bool(cfg.cluster.address))
+            wait_for_placement(self.group, needed, can_grow=bool(cluster.address), timeout_s=PLACEMENT_TIMEOUT_S,
+                               layout=layout)
+            if cluster.num_nodes > 1:  # on one node every order is node-major
+                nodes = placement_group_table(self.group)["bundles_to_node_id"]
+                self.bundles = node_major_bundles([nodes[i] for i in range(needed)], cluster.train_world_size,
+                                                  cluster.gpus_per_node)
+
+    def remove(self) -> None:
+        """Give the GPUs back (Ray frees a job's groups only when its driver exits)."""
+        if self.group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.group)
+            self.group = None
 
     def _options(self, bundle: int, num_gpus: float) -> dict[str, Any]:
         if self.group is None:
@@ -151,17 +220,42 @@ class Placement:
             self.group, placement_group_bundle_index=bundle)}
 
     def policy_options(self, rank: int) -> dict[str, Any]:
-        return self._options(rank, 1.0)
+        return self._options(self.bundles[rank], 1.0)
 
     def generation_options(self, index: int) -> dict[str, Any]:
-        return self._options(self.cfg.cluster.train_world_size + index, 1.0)
+        return self._options(self.bundles[self.cfg.cluster.train_world_size + index], 1.0)
+
+    def _task_options(self, rank: int) -> dict[str, Any]:
+        """A zero-resource task on policy rank `rank`'s node (inside its bundle on GPUs)."""
+        return {k: v for k, v in self._options(self.bundles[rank], 0).items() if k != "num_gpus"}
 
     def rendezvous(self, rank: int) -> tuple[str, int]:
         """(ip, free port) on the node of policy rank `rank`; 127.0.0.1 for a local CPU run."""
         if self.group is None and not self.cfg.cluster.address:
             return LOOPBACK, free_port()
-        return ray.get(_node_address.options(**{k: v for k, v in self._options(rank, 0).items()
-                                                 if k != "num_gpus"}).remote())
+        return ray.get(_node_address.options(**self._task_options(rank)).remote())
+
+
+def check_shared_dir(placement: Placement, directory: str | os.PathLike[str], key: str) -> None:
+    """Every policy rank's node sees the driver's `directory` (checkpoints: each rank writes its shard under
+    a directory the driver creates, then the driver writes the manifest and renames it; on resume the ranks
+    read what the driver found). A node-local directory would leave each node's shards on that node and a
+    published checkpoint without them: a ConfigError naming `key`."""
+    root = Path(directory).absolute()
+    root.mkdir(parents=True, exist_ok=True)
+    fd, marker = tempfile.mkstemp(dir=root, prefix=".shared-check-")
+    os.close(fd)
+    try:
+        ranks = range(placement.cfg.cluster.train_world_size)
+        seen = ray.get([_path_exists.options(**placement._task_options(r)).remote(marker) for r in ranks])
+    finally:
+        os.unlink(marker)
+    missing = [r for r, ok in zip(ranks, seen) if not ok]
+    if missing:
+        raise ConfigError(
+            f"{key}: {root} (on the driver's node) is not visible from the node(s) of policy rank(s) {missing}: "
+            "every rank writes its checkpoint shard there and the driver reads them back, so it must be on a "
+            "filesystem every node mounts at the same path (apps/grpo/GPU.md)")
 
 
 class Workers:
@@ -172,7 +266,10 @@ class Workers:
         world = cfg.cluster.train_world_size
         gpus = cfg.cluster.gpus_per_node
         threads = max(1, (os.cpu_count() or 1) // max(world, 1)) if not gpus else 4
-        placement = Placement(cfg)
+        placement = self.placement = Placement(cfg)
+        if cfg.cluster.address and cfg.checkpointing.enabled:  # a local Ray is one machine: one filesystem
+            check_shared_dir(placement, cfg.checkpoint_dir,
+                             "checkpointing.dir" if cfg.checkpointing.dir else "logger.log_dir (its checkpoints/)")
         master = placement.rendezvous(0)  # policy rank 0's node hosts the training process group's store
         with_reference = cfg.loss.kl_coef != 0.0
         self.policy = [
@@ -241,11 +338,13 @@ class Workers:
             steps.append(results[0])  # metrics are already reduced over DP inside the engine
         return combine_optimizer_steps(steps)
 
+    # Absolute paths: a relative one would resolve against each worker's working directory, which is the
+    # directory `ray start` ran in on its node (the raylet's), not the driver's.
     def save_checkpoint(self, path: str) -> None:
-        ray.get([w.save_checkpoint.remote(path) for w in self.policy])
+        ray.get([w.save_checkpoint.remote(os.path.abspath(path)) for w in self.policy])
 
     def load_checkpoint(self, path: str) -> None:
-        ray.get([w.load_checkpoint.remote(path) for w in self.policy])
+        ray.get([w.load_checkpoint.remote(os.path.abspath(path)) for w in self.policy])
 
     # ---- generation and rewards ------------------------------------------------------------------------
     def refit(self) -> int:
@@ -284,6 +383,7 @@ class Workers:
     def shutdown(self) -> None:
         for actor in (*self.policy, *([] if self.in_process else self.generators), *self.rewarders):
             ray.kill(actor)
+        self.placement.remove()  # else the GPUs stay reserved until the driver exits
         self._scoring.shutdown(wait=True)
         if hasattr(self.local_env, "close"):  # stop its scoring subprocesses (Environment has no close())
             self.local_env.close()
