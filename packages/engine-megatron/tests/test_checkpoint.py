@@ -150,3 +150,22 @@ def test_checkpoint_reshards_from_dp2_to_dp1(tiny_ckpt, tmp_path: Path) -> None:
     assert m1["lr"] == m2["lr"] and abs(m1["loss"] - m2["loss"]) <= 1e-6, (m1, m2)
     assert abs(m1["grad_norm"] / m2["grad_norm"] - 1) <= 1e-6, (m1, m2)
     assert max_abs_diff(by_index(dp1, "after"), by_index(dp2, "after")) <= 1e-5
+
+
+def _convert_on_two_nodes(rank: int, world_size: int, ckpt: str, root: str) -> tuple[bool, bool]:
+    """Each rank plays a node of its own with a node-local conversion cache (its own hostname and cache root)."""
+    import socket
+
+    from engine_megatron.model import convert_once
+
+    socket.gethostname = lambda: f"node{rank}"
+    target = convert_once(ckpt, f"{root}/node{rank}", tp=1, pp=1, ep=1, dtype="float32")
+    return target.is_dir(), (target / "ckpt_convert.json").is_file()
+
+
+@pytest.mark.distributed
+def test_a_node_local_conversion_cache_is_filled_on_every_node(tiny_ckpt, tmp_path: Path) -> None:
+    """The HF -> megatron conversion ran on global rank 0 only: with the default cache under ~/.cache on
+    each node, the ranks of the other nodes got a path that did not exist there."""
+    assert run_distributed(_convert_on_two_nodes, world_size=2, args=(tiny_ckpt("qwen2"), str(tmp_path))) == [
+        (True, True), (True, True)]

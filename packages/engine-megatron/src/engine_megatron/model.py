@@ -15,6 +15,7 @@ import importlib.util
 import logging
 import os
 import re
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -150,14 +151,22 @@ def conversion_cache_dir(hf_dir: str, cache_root: str | None, tp: int, pp: int, 
 
 
 def convert_once(hf_dir: str, cache_root: str | None, tp: int, pp: int, ep: int, dtype: str) -> Path:
-    """Convert on global rank 0 unless cached (ckpt-convert writes atomically), then every rank waits."""
+    """Convert on global rank 0 unless cached (ckpt-convert writes atomically), then every rank waits.
+
+    Where the cache is node-local (the default under ~/.cache on a multi-node run), the first rank of each
+    other node then converts its node's copy; on a shared filesystem it exists by then and nothing runs twice.
+    """
     from ckpt_convert.convert import convert_hf_to_mcore
 
     target = conversion_cache_dir(hf_dir, cache_root, tp, pp, ep, dtype)
-    if dist.get_rank() == 0 and not target.exists():
-        logger.info("converting %s to megatron format at %s (cached for later runs)", hf_dir, target)
-        convert_hf_to_mcore(hf_dir, target, tp=tp, pp=pp, ep=ep, dtype=_CONVERT_DTYPES[dtype])
-    dist.barrier()
+    hosts: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    rank = dist.get_rank()
+    for converts in (rank == 0, hosts.index(hosts[rank]) == rank):  # global rank 0, then each node's first
+        if converts and not target.exists():
+            logger.info("converting %s to megatron format at %s (cached for later runs)", hf_dir, target)
+            convert_hf_to_mcore(hf_dir, target, tp=tp, pp=pp, ep=ep, dtype=_CONVERT_DTYPES[dtype])
+        dist.barrier()
     return target
 
 
