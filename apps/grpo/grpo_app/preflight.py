@@ -222,6 +222,8 @@ def resolve_model(cfg: GRPOConfig) -> GRPOConfig:
             f"policy.model_name={name!r} is not a local Hugging Face checkpoint directory (no config.json); "
             "point it at a directory saved with save_pretrained, or use tiny:<arch> for a local toy model"
         )
+    # absolute: Ray workers resolve a relative path in their own working directory (the raylet's), not ours
+    name = str(Path(name).absolute())
     return dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, model_name=name))
 
 

@@ -318,3 +318,13 @@ def test_prompt_limit_follows_max_model_len_and_an_empty_set_fails_before_ray(ca
         load_config(None, [*base, "generation.backend_kwargs.max_model_len=6"])
     code, text = run_main(caplog, "env.max_prompt_tokens=1")
     assert code == 2 and "every train (repeat_char) prompt is longer than 1 tokens" in text, text
+
+
+def test_a_relative_model_path_reaches_the_workers_absolute(tmp_path, monkeypatch):
+    """Ray workers run in the raylet's directory: a relative policy.model_name would name another path there."""
+    from grpo_app.preflight import resolve_model
+
+    shutil.copytree(cached_tiny_checkpoint("qwen2"), tmp_path / "model")
+    monkeypatch.chdir(tmp_path)
+    cfg = resolve_model(load_config(None, ["policy.model_name=model"]))
+    assert cfg.policy.model_name == str(tmp_path / "model")
