@@ -65,3 +65,20 @@ def test_sleep_and_wake_without_refit_keep_the_weights(backend):
     backend.sleep(level=1)
     backend.wake()
     assert backend.llm.weights == {"w": 2.0} and backend.llm.awake == set(ALL_TAGS)
+
+
+@pytest.mark.parametrize("reason", ["abort", "error"])
+def test_a_sample_vllm_aborted_is_an_error_not_a_length_cut_off(backend, monkeypatch, reason):
+    """vLLM's finish reasons besides stop and length mean the sample is no completion (it was reported as a
+    length cut-off, and trained on)."""
+    sample = types.SimpleNamespace(index=0, token_ids=[5], logprobs=[{5: types.SimpleNamespace(logprob=-1.0)}],
+                                   finish_reason=reason, stop_reason=None)
+    monkeypatch.setattr(backend._vllm, "SamplingParams", lambda **kw: kw, raising=False)
+    monkeypatch.setattr(backend.llm, "generate", lambda *a, **k: [types.SimpleNamespace(outputs=[sample])],
+                        raising=False)
+    from rl_core.interfaces import SamplingParams
+
+    with pytest.raises(RuntimeError, match=f"finish_reason='{reason}'"):
+        backend.generate([[1, 2]], SamplingParams(max_new_tokens=4))
+    sample.finish_reason = "length"
+    assert backend.generate([[1, 2]], SamplingParams(max_new_tokens=4))[0].finish_reason == "length"

@@ -252,13 +252,16 @@ class VLLMGenerationBackend:
         completions = []
         for index, out in enumerate(outputs):
             for sample in sorted(out.outputs, key=lambda s: s.index):
+                if sample.finish_reason not in ("stop", "length"):  # "abort", "error": not a completion to train on
+                    raise RuntimeError(f"vLLM ended sample {sample.index} of prompt {index} with finish_reason="
+                                       f"{sample.finish_reason!r} (stop_reason {sample.stop_reason!r}); see vLLM's log")
                 token_ids = list(sample.token_ids)
                 logprobs = [float(step[tok].logprob) for step, tok in zip(sample.logprobs, token_ids)]
                 completions.append(Completion(
                     prompt_index=index,
                     token_ids=token_ids,
                     logprobs=logprobs,
-                    finish_reason="stop" if sample.finish_reason == "stop" else "length",
+                    finish_reason=sample.finish_reason,
                 ))
         return completions
 
