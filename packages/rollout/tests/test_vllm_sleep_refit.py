@@ -82,3 +82,16 @@ def test_a_sample_vllm_aborted_is_an_error_not_a_length_cut_off(backend, monkeyp
         backend.generate([[1, 2]], SamplingParams(max_new_tokens=4))
     sample.finish_reason = "length"
     assert backend.generate([[1, 2]], SamplingParams(max_new_tokens=4))[0].finish_reason == "length"
+
+
+def test_unseeded_sampling_across_external_launcher_ranks_is_refused(monkeypatch, tmp_path):
+    """With external_launcher each TP rank samples for itself: without a seed their tokens would differ."""
+    platforms = types.SimpleNamespace(current_platform=types.SimpleNamespace(is_cpu=lambda: False))
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=SleepModeLLM))
+    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
+    from rl_core.interfaces import SamplingParams
+    from rollout.vllm_backend import VLLMGenerationBackend
+
+    tp2 = VLLMGenerationBackend(str(tmp_path), tensor_parallel_size=2, distributed_executor_backend="external_launcher")
+    with pytest.raises(ValueError, match="needs SamplingParams.seed"):
+        tp2.generate([[1, 2]], SamplingParams(max_new_tokens=4, temperature=1.0))

@@ -193,6 +193,10 @@ class VLLMGenerationBackend:
         self._sleep_mode = enable_sleep_mode
         self._weights_awake = True  # asleep, update_weights brings the weights back before the KV cache
         self._refit_dir: str | None = None
+        # external_launcher: every rank of a TP group runs its own engine and samples for itself, so the ranks
+        # draw the same tokens only from the same seeds
+        self._ranks_sample_alone = (llm_kwargs.get("distributed_executor_backend") == "external_launcher"
+                                    and tensor_parallel_size > 1)
         from vllm.platforms import current_platform
 
         self._cpu = current_platform.is_cpu()
@@ -240,6 +244,10 @@ class VLLMGenerationBackend:
         validate_params(params)
         token_ids = [[int(t) for t in p] for p in prompt_token_ids]
         prompts = [{"prompt_token_ids": ids} for ids in token_ids]
+        if params.seed is None and self._ranks_sample_alone and params.temperature > 0:
+            raise ValueError("VLLMGenerationBackend with distributed_executor_backend='external_launcher' and "
+                             "tensor_parallel_size > 1 needs SamplingParams.seed: unseeded, the TP ranks would "
+                             "sample different tokens and their collectives would diverge")
         if params.seed is None:
             vllm_params: Any = self._vllm_params(params, None)
         else:  # one request seed per prompt (module docstring, Seeds)
