@@ -211,23 +211,24 @@ class Placement:
             remove_placement_group(self.group)
             self.group = None
 
-    def _options(self, bundle: int, num_gpus: float) -> dict[str, Any]:
+    def _options(self, user: int, num_gpus: float) -> dict[str, Any]:
+        """Ray options of the `user`-th GPU user (policy ranks, then generation workers): its bundle on GPUs."""
         if self.group is None:
             return {"num_cpus": 0, "num_gpus": 0}
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         return {"num_cpus": 0, "num_gpus": num_gpus, "scheduling_strategy": PlacementGroupSchedulingStrategy(
-            self.group, placement_group_bundle_index=bundle)}
+            self.group, placement_group_bundle_index=self.bundles[user])}
 
     def policy_options(self, rank: int) -> dict[str, Any]:
-        return self._options(self.bundles[rank], 1.0)
+        return self._options(rank, 1.0)
 
     def generation_options(self, index: int) -> dict[str, Any]:
-        return self._options(self.bundles[self.cfg.cluster.train_world_size + index], 1.0)
+        return self._options(self.cfg.cluster.train_world_size + index, 1.0)
 
     def _task_options(self, rank: int) -> dict[str, Any]:
         """A zero-resource task on policy rank `rank`'s node (inside its bundle on GPUs)."""
-        return {k: v for k, v in self._options(self.bundles[rank], 0).items() if k != "num_gpus"}
+        return {k: v for k, v in self._options(rank, 0).items() if k != "num_gpus"}
 
     def rendezvous(self, rank: int) -> tuple[str, int]:
         """(ip, free port) on the node of policy rank `rank`; 127.0.0.1 for a local CPU run."""

@@ -99,3 +99,11 @@ def test_policy_ranks_join_a_group_that_reduces_host_tensors(monkeypatch, cuda: 
     join_policy_group(0, 1, ("127.0.0.1", free_port()))
     assert joined["backend"] == ("cpu:gloo,cuda:nccl" if cuda else "gloo")
     assert (joined["rank"], joined["world_size"]) == (0, 1)
+
+
+def test_a_cpu_run_places_policy_ranks_and_generation_workers_anywhere():
+    """No GPUs, no placement group: every actor's options are plain (an index into the GPU bundles
+    failed here for the generation workers of the CPU default)."""
+    placement = cluster.Placement(load_config(None, ["cluster.train_world_size=2", "generation.num_workers=2"]))
+    options = [placement.policy_options(r) for r in range(2)] + [placement.generation_options(i) for i in range(2)]
+    assert options == [{"num_cpus": 0, "num_gpus": 0}] * 4
