@@ -44,6 +44,8 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Clus
     node_cwd = tmp_path_factory.mktemp("ray-start-cwd")
     previous_cwd, previous_auth = os.getcwd(), os.environ.get("RAY_AUTH_MODE")
     os.environ["RAY_AUTH_MODE"] = "disabled"
+    # the CPU lane hides GPUs with CUDA_VISIBLE_DEVICES="", and Ray refuses fake GPUs beside that
+    hidden_gpus = os.environ.pop("CUDA_VISIBLE_DEVICES", None)
     os.chdir(node_cwd)
     try:
         nodes = Cluster(initialize_head=True,
@@ -52,6 +54,8 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Clus
             nodes.add_node(num_cpus=GPUS_PER_NODE, num_gpus=GPUS_PER_NODE)
     finally:
         os.chdir(previous_cwd)
+        if hidden_gpus is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = hidden_gpus
     ray.init(address=nodes.address)
     nodes.wait_for_nodes()
     try:
