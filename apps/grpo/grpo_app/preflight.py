@@ -224,7 +224,12 @@ def resolve_model(cfg: GRPOConfig) -> GRPOConfig:
         )
     # absolute: Ray workers resolve a relative path in their own working directory (the raylet's), not ours
     name = str(Path(name).absolute())
-    return dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, model_name=name))
+    policy = dataclasses.replace(cfg.policy, model_name=name)
+    cache = policy.megatron_cfg.get("converted_checkpoint_dir")
+    if cache:  # the same for the Megatron engine's conversion cache
+        policy = dataclasses.replace(policy, megatron_cfg={**policy.megatron_cfg,
+                                                           "converted_checkpoint_dir": str(Path(cache).absolute())})
+    return dataclasses.replace(cfg, policy=policy)
 
 
 def check_environment(cfg: GRPOConfig) -> None:

@@ -321,10 +321,13 @@ def test_prompt_limit_follows_max_model_len_and_an_empty_set_fails_before_ray(ca
 
 
 def test_a_relative_model_path_reaches_the_workers_absolute(tmp_path, monkeypatch):
-    """Ray workers run in the raylet's directory: a relative policy.model_name would name another path there."""
+    """Ray workers run in the raylet's directory: a relative policy.model_name (or Megatron's conversion cache)
+    would name another path there."""
     from grpo_app.preflight import resolve_model
 
     shutil.copytree(cached_tiny_checkpoint("qwen2"), tmp_path / "model")
     monkeypatch.chdir(tmp_path)
-    cfg = resolve_model(load_config(None, ["policy.model_name=model"]))
+    cfg = resolve_model(load_config(None, ["policy.model_name=model", "policy.megatron_cfg.enabled=true",
+                                           "policy.megatron_cfg.converted_checkpoint_dir=cache"]))
     assert cfg.policy.model_name == str(tmp_path / "model")
+    assert cfg.policy.megatron_cfg["converted_checkpoint_dir"] == str(tmp_path / "cache")
