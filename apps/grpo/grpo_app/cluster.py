@@ -1,8 +1,8 @@
 """Placement and fan-out: start Ray, place the worker groups, and give the loop batch-level calls.
 
 Owns: `ray.init` (a local Ray whose servers listen on 127.0.0.1 only, or `cluster.address`), the placement group on GPU
-clusters, DP sharding of batches (token-balanced with seqpack), the refit wiring, and colocation
-(offload the policy / wake the generator around generation). The loop sees one object, `Workers`.
+clusters, DP sharding of batches (token-balanced with seqpack), the refit wiring, and the colocation phases
+(grpo_app.colocation) around every call. The loop sees one object, `Workers`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import ray
 import ray._private.ray_constants as ray_constants
 import torch
 
+from grpo_app.colocation import Colocation
 from grpo_app.config import GRPOConfig
 from grpo_app.devices import generation_tp_size
 from grpo_app.refit import RefitPath, num_gpus_needed, refit_path
@@ -308,6 +309,10 @@ class Workers:
             ray.get([w.join_refit.remote(host, port, refit_world, device) for w in self.policy]
                     + [g.join_refit.remote(host, port, i + 1, refit_world, device)
                        for i, g in enumerate(self.generators)])
+        self.colocation = Colocation(
+            cfg.generation.colocated,
+            policy=lambda method, **kwargs: ray.get([getattr(w, method).remote(**kwargs) for w in self.policy]),
+            generators=lambda method: ray.get([getattr(g, method).remote() for g in self.generators]))
         logger.info("workers up: %d policy ranks (dp=%d), %s, %s; refit: %s", world, self.dp_size,
                     "generation in the policy ranks" if self.in_process else f"{len(self.generators)} generation",
                     f"{len(self.rewarders)} reward" if self.rewarders else "rewards in the driver", path.value)
@@ -317,6 +322,7 @@ class Workers:
         return balance_partitions(batch.lengths, self.dp_size, method="kk", equal_size=True)
 
     def compute_logprobs(self, batch: TokenBatch, reference: bool = False) -> list[torch.Tensor]:
+        self.colocation.to_training()
         shards = self._shards(batch)
         futures = [w.compute_logprobs.remote(batch.select(shards[dp]), reference)
                    for w, (dp, _) in zip(self.policy, self.dp_layout)]
@@ -329,6 +335,7 @@ class Workers:
 
     def train(self, batch: TokenBatch, loss_fn: Any) -> dict[str, float]:
         """One optimizer step per global batch of `policy.train_global_batch_size` sequences."""
+        self.colocation.to_training()
         size = self.cfg.policy.train_global_batch_size
         steps = []
         for start in range(0, len(batch), size):
@@ -342,28 +349,30 @@ class Workers:
     # Absolute paths: a relative one would resolve against each worker's working directory, which is the
     # directory `ray start` ran in on its node (the raylet's), not the driver's.
     def save_checkpoint(self, path: str) -> None:
+        self.colocation.to_training()
         ray.get([w.save_checkpoint.remote(os.path.abspath(path)) for w in self.policy])
 
     def load_checkpoint(self, path: str) -> None:
+        self.colocation.to_training()
         ray.get([w.load_checkpoint.remote(os.path.abspath(path)) for w in self.policy])
 
     # ---- generation and rewards ------------------------------------------------------------------------
     def refit(self) -> int:
-        if self.in_process:
-            return int(ray.get([w.refit_in_process.remote() for w in self.policy])[0])
-        sent = ray.get([w.send_weights.remote() for w in self.policy]
-                       + [g.receive_weights.remote() for g in self.generators])
-        return int(sent[0])
+        """The policy's weights into the generators; colocated, the devices are the generators' after it."""
+        def send() -> int:
+            if self.in_process:
+                return int(ray.get([w.refit_in_process.remote() for w in self.policy])[0])
+            sent = ray.get([w.send_weights.remote() for w in self.policy]
+                           + [g.receive_weights.remote() for g in self.generators])
+            return int(sent[0])
+
+        return self.colocation.refit(send)
 
     def generate_parts(self, prompts: list[list[int]], params: SamplingParams) -> Iterator[list[Completion]]:
         """Each generator's completions as soon as it finishes (finishing order; prompt indices into
         `prompts`), so the caller can score one share while the others still generate."""
-        colocated = self.cfg.generation.colocated
-        if colocated:
-            ray.get([w.offload.remote() for w in self.policy] + [g.wake.remote() for g in self.generators])
+        self.colocation.to_generation()
         yield from generate_by_replica(self.replicas, prompts, params)
-        if colocated:
-            ray.get([g.sleep.remote() for g in self.generators] + [w.onload.remote() for w in self.policy])
 
     def submit_score(self, requests: list[RewardRequest]) -> Callable[[], list[RewardResult]]:
         """Start scoring now (reward actors, or the driver's environment on a thread); call the result to wait.

@@ -111,8 +111,8 @@ class PolicyWorker(GeneratorHost):
     def load_checkpoint(self, path: str) -> None:
         self.engine.load_checkpoint(path)
 
-    def offload(self) -> None:
-        self.engine.offload()
+    def offload(self, keep_weights: bool = False) -> None:
+        self.engine.offload(keep_weights=keep_weights)
 
     def onload(self) -> None:
         self.engine.onload()

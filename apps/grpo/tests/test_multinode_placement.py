@@ -26,6 +26,7 @@ from ray.util.placement_group import placement_group_table
 
 from grpo_app import cluster
 from grpo_app.cluster import Placement, Workers, check_shared_dir, node_major_bundles
+from grpo_app.colocation import Colocation
 from grpo_app.config import load_config
 from rl_core.config import ConfigError
 
@@ -136,6 +137,7 @@ def test_checkpoint_paths_reach_the_workers_absolute(ray_cluster, tmp_path, monk
     monkeypatch.chdir(tmp_path)
     workers = Workers.__new__(Workers)
     workers.policy = [Rank.remote() for _ in range(2)]
+    workers.colocation = Colocation(False, policy=None, generators=None)
     assert ray.get(workers.policy[0].save_checkpoint.remote(str(tmp_path / "probe"))) == str(node_cwd)
     workers.save_checkpoint("run/checkpoints/.step_1.tmp/policy")  # relative, as the driver's CheckpointManager
     assert len(list((tmp_path / "run/checkpoints/.step_1.tmp/policy").glob("shard-*"))) == 2

@@ -67,6 +67,14 @@ def test_sleep_and_wake_without_refit_keep_the_weights(backend):
     assert backend.llm.weights == {"w": 2.0} and backend.llm.awake == set(ALL_TAGS)
 
 
+def test_wake_before_any_sleep_leaves_vllm_alone(backend, monkeypatch):
+    """The colocated loop's first generation wakes an engine that never slept (grpo_app.colocation): vLLM
+    would log 'Executor is not sleeping' on every rank."""
+    monkeypatch.setattr(backend.llm, "wake_up", lambda tags=None: pytest.fail("wake_up of an awake engine"))
+    backend.wake()
+    assert backend.llm.awake == set(ALL_TAGS)
+
+
 @pytest.mark.parametrize("reason", ["abort", "error"])
 def test_a_sample_vllm_aborted_is_an_error_not_a_length_cut_off(backend, monkeypatch, reason):
     """vLLM's finish reasons besides stop and length mean the sample is no completion (it was reported as a

@@ -232,19 +232,21 @@ class DTensorEngine(TrainingEngine):
     def load_checkpoint(self, path: str) -> None:
         checkpoint.load_checkpoint(path, self.model, self.optimizer, self.scheduler)
 
-    def offload(self) -> None:
-        self._move_to(torch.device("cpu"))
+    def offload(self, *, keep_weights: bool = False) -> None:
+        self._move_to(torch.device("cpu"), keep_weights=keep_weights)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
     def onload(self) -> None:
         self._move_to(self.device)
 
-    def _move_to(self, device: torch.device) -> None:
-        """Parameters (FSDP2 re-registers its shards) and optimizer state to `device`."""
+    def _move_to(self, device: torch.device, *, keep_weights: bool = False) -> None:
+        """Parameters (FSDP2 re-registers its shards; unless `keep_weights`), the reference copy and optimizer
+        state to `device`. Gradients need no move: optimizer_step and zero_grad set them to None."""
         if self.cfg.cpu_offload:
             return  # FSDP's CPUOffloadPolicy already keeps them on the host
-        self.model.to(device)
+        if not keep_weights:
+            self.model.to(device)
         if self.reference is not None:
             self.reference.to(device)
         for state in self.optimizer.state.values():

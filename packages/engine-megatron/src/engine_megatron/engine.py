@@ -197,20 +197,11 @@ class MegatronEngine(TrainingEngine):
     def load_checkpoint(self, path: str) -> None:
         checkpoint.load(path, self.model, self.optimizer, self.scheduler)
 
-    def offload(self) -> None:
+    def offload(self, *, keep_weights: bool = False) -> None:
         """Move weights, grads and optimizer state to host memory (a no-op on a CPU device)."""
-        if self.device.type == "cpu" or self._offloaded:
+        if self.device.type == "cpu":
             return
-        seen = set()
-        for tensor in self._device_tensors():
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() in seen or storage.nbytes() == 0:
-                continue
-            seen.add(storage.data_ptr())
-            host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=True)
-            host.untyped_storage().copy_(storage)
-            self._offloaded.append((storage, host))
-            storage.resize_(0)  # views (params into DDP buffers) stay valid and come back with onload
+        self._storages_to_host(keep_weights)
         torch.cuda.empty_cache()
 
     def onload(self) -> None:
@@ -221,17 +212,35 @@ class MegatronEngine(TrainingEngine):
 
     # ---- internals ----------------------------------------------------------------------------------
 
+    def _storages_to_host(self, keep_weights: bool) -> None:
+        """Storage by storage, so views (params into the DDP buffers; with fp32 params, the optimizer's
+        shards into them too) stay valid and come back with onload. `keep_weights` keeps the storages of
+        the param buffers, and with them every view into them."""
+        skip = {b.param_data.untyped_storage().data_ptr() for b in self._ddp_buffers()} if keep_weights else set()
+        for tensor in self._device_tensors():
+            storage = tensor.untyped_storage()
+            if storage.nbytes() == 0 or storage.data_ptr() in skip:  # already on the host, kept, or seen
+                continue
+            skip.add(storage.data_ptr())
+            host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+            host.untyped_storage().copy_(storage)
+            self._offloaded.append((storage, host))
+            storage.resize_(0)
+
+    def _ddp_buffers(self) -> list[Any]:
+        return [*self.model.buffers, *self.model.expert_parallel_buffers]
+
     def _device_tensors(self) -> Iterator[Tensor]:
         if self.reference is not None:
             yield from self.reference.saved
-        for buffer in [*self.model.buffers, *self.model.expert_parallel_buffers]:
+        for buffer in self._ddp_buffers():
             yield buffer.param_data
             yield buffer.grad_data
         for sub in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             for group in sub.optimizer.param_groups:
                 yield from group["params"]
             for state in sub.optimizer.state.values():
-                yield from (v for v in state.values() if torch.is_tensor(v) and v.is_cuda)
+                yield from (v for v in state.values() if torch.is_tensor(v) and v.device.type == self.device.type)
 
     def _micro_batches(self, batch: TokenBatch, mb_plan: Any) -> list[batching.MicroBatch]:
         mbs = batching.build_micro_batches(batch, mb_plan, self.settings, uniform_shape=self.ranks.pp_size > 1,

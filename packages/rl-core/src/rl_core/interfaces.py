@@ -69,8 +69,10 @@ class TrainingEngine(Protocol):
         """Restore everything `save_checkpoint` wrote."""
 
     @abstractmethod
-    def offload(self) -> None:
-        """Move parameters, grads and optimizer state to host memory (colocated generation)."""
+    def offload(self, *, keep_weights: bool = False) -> None:
+        """Move parameters, grads and optimizer state to host memory and free the device's cached memory
+        (colocated generation). `keep_weights`: the parameters stay, for the refit that reads them next
+        (NeMo-RL's offload before refit); a later `offload()` moves them too."""
 
     @abstractmethod
     def onload(self) -> None:

@@ -336,6 +336,8 @@ class VLLMGenerationBackend:
 
     def wake(self) -> None:
         """Undo `sleep` (vLLM `wake_up`; only the KV cache when a refit already woke the weights)."""
+        if not self._sleeping:
+            return
         if self._sleep_mode:
             self.llm.wake_up(tags=["kv_cache"] if self._weights_awake else None)
         self._sleeping = False

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from rl_core.batch import TokenBatch
+from rl_core.batch import LossFn, TokenBatch
 from rl_core.interfaces import GenerationBackend, SamplingParams, TrainingEngine
 from rl_core.losses import ClippedPGLoss
 
@@ -98,9 +98,12 @@ def check_training_engine(make_engine: Callable[[], TrainingEngine], vocab_size:
         if checkpoint_dir is None and (not dist.is_initialized() or dist.get_rank() == 0):
             shutil.rmtree(ckpt, ignore_errors=True)
 
-    names = [name for name, tensor in engine.export_hf_weights()]
-    assert names and len(names) == len(set(names)), "export_hf_weights yields no or duplicate names"
+    exported = {name: tensor.clone() for name, tensor in engine.export_hf_weights()}
+    assert exported and len(exported) == sum(1 for _ in engine.export_hf_weights()), \
+        "export_hf_weights yields no or duplicate names"
     check_save_hf(engine, batch.input_ids, retrained)
+    engine.offload(keep_weights=True)  # the refit's state: the weights still export
+    assert all(torch.equal(tensor, exported[name]) for name, tensor in engine.export_hf_weights())
     engine.offload()
     engine.onload()
     assert all(torch.equal(a, b) for a, b in zip(retrained, engine.compute_logprobs(batch)))
@@ -153,3 +156,23 @@ def check_generation_backend(backend: GenerationBackend, prompts: list[list[int]
     assert [c.token_ids for c in backend.generate(prompts, greedy)] == [
         c.token_ids for c in backend.generate(prompts, greedy)
     ]
+
+
+def offload_stages(engine: TrainingEngine, batch: TokenBatch, loss_fn: LossFn) -> dict[str, object]:
+    """CUDA bytes allocated at each stage of a colocated refit, after a training step (the Adam moments
+    exist): `trained`, `weights_only` (offload(keep_weights=True)), `offloaded` (then offload()); whether
+    the export at `weights_only` equals the one before, and whether onload restores the logprobs bit for
+    bit. Engines' GPU tests compare the drops with the bytes they know they hold."""
+    engine.train_batch(batch, loss_fn)
+    logprobs = engine.compute_logprobs(batch)
+    exported = {name: tensor.to("cpu", copy=True) for name, tensor in engine.export_hf_weights()}
+    torch.cuda.synchronize()
+    out: dict[str, object] = {"trained": torch.cuda.memory_allocated()}
+    engine.offload(keep_weights=True)
+    out["weights_only"] = torch.cuda.memory_allocated()
+    out["export_unchanged"] = all(torch.equal(t.cpu(), exported[n]) for n, t in engine.export_hf_weights())
+    engine.offload()
+    out["offloaded"] = torch.cuda.memory_allocated()
+    engine.onload()
+    out["restored"] = all(torch.equal(a, b) for a, b in zip(logprobs, engine.compute_logprobs(batch)))
+    return out

@@ -1,0 +1,36 @@
+"""CUDA only (skipped without a GPU; a spawned rank, never forked after CUDA): the colocated refit's offload.
+
+`offload(keep_weights=True)` frees the optimizer state and keeps the parameters (the export right after it is
+unchanged); `offload()` then frees the parameters too; `onload` restores the logprobs bit for bit. On CPU the
+moves are no-ops, so only a GPU shows them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rl_core.testing.distributed import CUDA_BACKEND, run_distributed
+
+
+def _offload(rank: int, world_size: int, path: str) -> dict:
+    from engine_dtensor.engine import DTensorEngine
+    from engine_dtensor.testing import grpo_batch, make_policy
+    from rl_core.losses import ClippedPGLoss
+    from rl_core.reference import local_tensor
+    from rl_core.testing.contracts import offload_stages
+
+    engine = DTensorEngine(make_policy(path))
+    stages = offload_stages(engine, grpo_batch(path), ClippedPGLoss())
+    weight_bytes = sum(local_tensor(p).untyped_storage().nbytes() for p in engine.model.parameters())
+    state_bytes = sum(v.untyped_storage().nbytes() for s in engine.optimizer.state.values() for k, v in s.items()
+                      if torch.is_tensor(v) and k != "step")
+    return {**stages, "weight_bytes": weight_bytes, "optimizer_state_bytes": state_bytes}
+
+
+@pytest.mark.gpu
+def test_offload_keeps_weights_for_the_refit_then_frees_them(ckpt) -> None:
+    r = run_distributed(_offload, world_size=1, args=(ckpt("qwen2"),), backend=CUDA_BACKEND)[0]
+    assert r["export_unchanged"] and r["restored"], r
+    assert r["trained"] - r["weights_only"] >= r["optimizer_state_bytes"] > 0, r
+    assert r["weights_only"] - r["offloaded"] >= r["weight_bytes"] > 0, r
