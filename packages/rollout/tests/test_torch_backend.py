@@ -288,6 +288,24 @@ def test_greedy_equals_hf_generate_on_cuda(tiny_ckpt, prompts, hf_ref):
         [c.token_ids for c in out]
 
 
+@pytest.mark.gpu
+def test_refit_while_asleep_loads_on_the_gpu(tiny_ckpt, prompts, hf_ref):
+    """The colocated refit (grpo_app.colocation) reaches a sleeping generator: its weights wake to the GPU and
+    the new ones are copied there; after wake() it generates what HF does with the new weights."""
+    hf = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in hf.parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=generator))
+    backend = TorchGenerationBackend(str(tiny_ckpt), device="cuda")
+    backend.sleep(level=1)
+    backend.update_weights((name, t.to("cuda")) for name, t in hf.state_dict().items())
+    assert next(backend.model.parameters()).device.type == "cuda"
+    backend.wake()
+    out = backend.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=16))
+    assert [c.token_ids for c in out] == [hf_ref.greedy(hf, p, 16) for p in prompts]
+
+
 def test_paged_prefill_gives_the_packed_attention_its_lengths(tiny_ckpt, prompts, monkeypatch):
     """Prefill's cu_seqlens is an inference tensor, which seqpack re-reads on the host in every layer (fp32 on
     CUDA waits for the GPU each time); prefill has the lengths on the host and passes them."""

@@ -275,6 +275,8 @@ class TorchGenerationBackend:
         """
         if self._sleep_level == 2:
             raise RuntimeError("update_weights called after sleep(level=2) discarded the weights; call wake() first")
+        if self._sleep_level == 1:  # wake the weights alone, as vLLM's tags=["weights"]: the copies below then
+            self.model.to(self.device)  # stay on the device instead of going through pageable host memory
         targets = dict(self.model.named_parameters(remove_duplicate=False))
         targets.update(self.model.named_buffers(remove_duplicate=False))
         count = 0
