@@ -6,19 +6,21 @@ written last; rl_core.checkpoint_io). It is assembled under a temporary name and
 so a killed run leaves either a whole checkpoint or none. Resuming takes the newest checkpoint that
 verifies against its manifest: a damaged newer one is reported (naming the file) and skipped, and if
 none verifies the run stops with an error rather than starting over. Pruning keeps the `keep_top_k` best
-by the configured metric, and always the latest.
+by the configured metric, and always the latest; a pruned checkpoint is renamed away before it is deleted.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rl_core.checkpoint_io import CheckpointError, atomic_dir, verify_manifest, write_manifest
+from grpo_app.prompts import PromptSource
+from rl_core.checkpoint_io import MANIFEST_FILE, CheckpointError, atomic_dir, verify_manifest, write_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +55,7 @@ class CheckpointManager:
         final = self.root / f"step_{step}"
         for stale in self.root.glob(".step_*.tmp-*"):  # what a killed save left behind
             shutil.rmtree(stale, ignore_errors=True)
+        state = {**state, "checkpoint_metric_name": self.metric}  # a score means nothing without its metric
         with atomic_dir(final) as tmp:
             save_engine(str(tmp / "policy"))
             (tmp / STATE_FILE).write_text(json.dumps(state, indent=1, allow_nan=False))
@@ -79,6 +82,7 @@ class CheckpointManager:
         Raises CheckpointError when checkpoints exist but none is intact: starting from step 0 would
         silently overwrite the run's metrics.
         """
+        self._refuse_a_single_checkpoint_as_root()
         damaged = []
         for step in reversed(self.steps()):
             path = self.root / f"step_{step}"
@@ -94,12 +98,23 @@ class CheckpointManager:
                 "run directory away (or set logger.log_dir) to start a new run")
         return None
 
+    def _refuse_a_single_checkpoint_as_root(self) -> None:
+        """checkpointing.dir set to one checkpoint (`.../step_N`) holds no `step_*`: it would start over."""
+        if (self.root / STATE_FILE).is_file() or (self.root / MANIFEST_FILE).is_file():
+            raise CheckpointError(
+                f"checkpointing.dir={self.root} is one checkpoint, not a directory of checkpoints: set "
+                f"checkpointing.dir={self.root.parent} to resume from its newest intact checkpoint (to resume from "
+                f"{self.root.name} itself, copy it into an empty directory and set checkpointing.dir to that)")
+
     def _score(self, step: int) -> float | None:
         try:
-            value = self.load_state(self.root / f"step_{step}").get("checkpoint_metric")
+            state = self.load_state(self.root / f"step_{step}")
         except CheckpointError:  # a damaged checkpoint ranks last
             return None
-        return None if value is None else (value if self.higher_is_better else -value)
+        value = state.get("checkpoint_metric")
+        if value is None or state.get("checkpoint_metric_name", self.metric) != self.metric:
+            return None  # scored by another checkpointing.metric (a resumed run changed it): not comparable
+        return value if self.higher_is_better else -value
 
     def _prune(self) -> None:
         steps = self.steps()
@@ -110,8 +125,31 @@ class CheckpointManager:
         keep = set(scored[: self.keep_top_k]) | {steps[-1]}
         for step in steps:
             if step not in keep:
-                shutil.rmtree(self.root / f"step_{step}", ignore_errors=True)
+                self._delete(step)
                 logger.info("checkpoint pruned: step_%d (%s)", step, self.metric)
+
+    def _delete(self, step: int) -> None:
+        """Hide the checkpoint by one rename before deleting it: a run killed mid-delete then leaves no
+        incomplete `step_N` behind, only a temporary name that the next save removes."""
+        hidden = self.root / f".step_{step}.tmp-pruned"
+        os.rename(self.root / f"step_{step}", hidden)
+        shutil.rmtree(hidden, ignore_errors=True)
+
+
+def check_prompts(resume_point: ResumePoint, train: PromptSource, *, allow_change: bool) -> None:
+    """Refuse to resume on another train prompt stream unless explicitly allowed: a smaller set fails
+    mid-run, any other change trains on other prompts than the interrupted run would have."""
+    problem = train.resume_problem(resume_point.state["prompts"])
+    if problem is None:
+        return
+    if allow_change:
+        logger.warning("resuming %s with other train prompts (checkpointing.allow_config_change=true): %s",
+                       resume_point.path, problem)
+        return
+    raise CheckpointError(
+        f"{resume_point.path} cannot continue this run's train prompts: {problem}. Use the original env.train_data "
+        "(or env.num_generated_train_prompts) and grpo.seed, another logger.log_dir for a new run, or "
+        "checkpointing.allow_config_change=true to resume anyway")
 
 
 def run_identity(cfg: Any) -> dict[str, Any]:

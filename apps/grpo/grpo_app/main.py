@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 from grpo_app.build import RunInputs, find_resume_point, load_inputs
-from grpo_app.checkpoint import ResumePoint
+from grpo_app.checkpoint import ResumePoint, check_prompts
 from grpo_app.config import GRPOConfig, load_config
 from grpo_app.preflight import preflight
 from rl_core.config import ConfigError, to_dict
@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = preflight(load_config(args.config, args.overrides))
         inputs = load_inputs(cfg)
         resume_point = find_resume_point(cfg)
+        if resume_point is not None:
+            check_prompts(resume_point, inputs.train, allow_change=cfg.checkpointing.allow_config_change)
     except (ConfigError, FileNotFoundError, ValueError) as exc:  # CheckpointError is a ValueError
         logger.error("%s", exc)
         return 2

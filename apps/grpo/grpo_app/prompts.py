@@ -6,7 +6,11 @@ The prompts themselves (rendering, chat templates, tokenisation, metadata) are r
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import random
+from typing import Any
 
 from rollout.datasets import PromptExample
 
@@ -36,9 +40,27 @@ class PromptSource:
             self.position += 1
         return out
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position}
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """sha256 of what decides the stream: the prompts' token ids, in order, and the shuffle seed."""
+        content = json.dumps([self.seed, [item.prompt_token_ids for item in self.items]])
+        return hashlib.sha256(content.encode()).hexdigest()
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.epoch, self.position = state["epoch"], state["position"]
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position, "size": len(self.items),
+                "fingerprint": self.fingerprint}
+
+    def resume_problem(self, state: dict[str, Any]) -> str | None:
+        """Why `state` (a checkpoint's) would not continue this stream as the original run did; None if it would."""
+        size, saved_size = len(self.items), state.get("size")  # size, fingerprint: recorded by newer versions
+        if state["position"] > size or saved_size not in (None, size):
+            return (f"the checkpoint's run had {saved_size or 'more'} train prompts and had used {state['position']} "
+                    f"of epoch {state['epoch']}; this config gives {size}")
+        if state.get("fingerprint", self.fingerprint) != self.fingerprint:
+            return "the train prompts (their content or order) or grpo.seed differ from the checkpoint's run"
+        return None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # past the end of a smaller prompt set (allowed by checkpointing.allow_config_change): the epoch is over
+        self.epoch, self.position = state["epoch"], min(state["position"], len(self.items))
         self._order = self._epoch_order()

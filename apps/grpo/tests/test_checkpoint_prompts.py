@@ -24,3 +24,11 @@ def test_prompt_source_resumes_exactly():
 def test_empty_prompt_set_is_an_error():
     with pytest.raises(ValueError, match="empty"):
         PromptSource([], seed=0)
+
+
+def test_a_checkpoint_from_before_sizes_were_recorded_still_gets_the_position_check():
+    items = [PromptExample(prompt=str(i), prompt_token_ids=[i]) for i in range(5)]
+    source = PromptSource(items, seed=0)
+    assert source.resume_problem({"epoch": 0, "position": 5}) is None
+    assert "had more train prompts and had used 8 of epoch 0; this config gives 5" in source.resume_problem(
+        {"epoch": 0, "position": 8})

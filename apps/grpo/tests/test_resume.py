@@ -14,10 +14,13 @@ import pytest
 import torch
 
 import grpo_app.loop as loop
+from grpo_app.build import RunInputs
 from grpo_app.checkpoint import CheckpointManager, ResumePoint, check_identity, run_identity
 from grpo_app.config import load_config
 from grpo_app.metrics_sink import MetricsSink, read_jsonl
-from rl_core.checkpoint_io import CheckpointError, write_manifest
+from grpo_app.prompts import PromptSource
+from rl_core.checkpoint_io import CheckpointError, verify_manifest, write_manifest
+from rollout.datasets import PromptExample
 
 
 def fake_engine_save(path: str) -> None:
@@ -265,3 +268,127 @@ def test_run_directory_without_an_intact_checkpoint_exits_2_and_keeps_its_metric
         assert cli.main([f"logger.log_dir={log_dir}", "grpo.max_steps=2"]) == 2
     assert "no intact checkpoint" in caplog.text and "trainer_state.json is missing" in caplog.text
     assert (log_dir / "metrics.jsonl").read_text() == '{"step": 0, "train/loss": 1.0}\n'
+
+
+def test_checkpoint_dir_set_to_one_checkpoint_is_refused_not_a_fresh_start(tmp_path):
+    """`checkpointing.dir=.../step_3` holds no step_* directory: the run would start over (and write its
+    checkpoints inside step_3) instead of resuming."""
+    from grpo_app.build import find_resume_point
+
+    cfg = config(f"logger.log_dir={tmp_path / 'run'}")
+    CheckpointManager(cfg.checkpoint_dir, keep_top_k=2, metric="m", higher_is_better=True).save(
+        3, fake_engine_save, {"step": 3, "identity": run_identity(cfg)})
+    one = cfg.checkpoint_dir / "step_3"
+    with pytest.raises(CheckpointError, match=rf"one checkpoint.*set checkpointing.dir={cfg.checkpoint_dir} "):
+        find_resume_point(config(f"logger.log_dir={tmp_path / 'run2'}", f"checkpointing.dir={one}"))
+    assert sorted(p.name for p in one.iterdir()) == ["MANIFEST.json", "policy", "trainer_state.json"]
+    resumed = find_resume_point(config(f"logger.log_dir={tmp_path / 'run2'}", f"checkpointing.dir={cfg.checkpoint_dir}"))
+    assert resumed.path == one
+
+
+def examples(n: int, offset: int = 0) -> list[PromptExample]:
+    return [PromptExample(prompt=str(i), prompt_token_ids=[i]) for i in range(offset, offset + n)]
+
+
+def checkpoint_after(items: list[PromptExample], seed: int, num_prompts: int, tmp_path) -> Path:
+    """A run directory whose step-1 checkpoint's run had taken `num_prompts` prompts of `items`."""
+    source = PromptSource(items, seed)
+    source.next_batch(num_prompts)
+    cfg = config(f"logger.log_dir={tmp_path}")
+    manager = CheckpointManager(cfg.checkpoint_dir, keep_top_k=2, metric="m", higher_is_better=True)
+    manager.save(1, fake_engine_save, {"step": 1, "prompts": source.state_dict(), "identity": run_identity(cfg)})
+    return tmp_path
+
+
+def start(log_dir: Path, items: list[PromptExample], monkeypatch, *overrides: str) -> tuple[int, list]:
+    """The CLI up to the run: (exit code, the PromptSource the run was given, resumed as build.resume does)."""
+    import grpo_app.main as cli
+
+    started = []
+
+    def run_training(cfg, inputs, point):
+        inputs.train.load_state_dict(point.state["prompts"])
+        started.append(inputs.train)
+
+    monkeypatch.setattr(cli, "preflight", lambda cfg: cfg)
+    monkeypatch.setattr(cli, "load_inputs", lambda cfg: RunInputs(tokenizer=None, train=PromptSource(items, 7), val=[]))
+    monkeypatch.setattr(cli, "run_training", run_training)
+    code = cli.main(["policy.model_name=tiny:qwen2", f"logger.log_dir={log_dir}", "grpo.seed=7", *overrides])
+    return code, started
+
+
+def test_resume_with_fewer_train_prompts_is_refused_before_the_run_starts(tmp_path, monkeypatch, caplog):
+    """Before: an IndexError in the first step after the resume (Ray, workers and checkpoint loaded)."""
+    log_dir = checkpoint_after(examples(10), 7, 8, tmp_path)
+    with caplog.at_level(logging.ERROR):
+        code, started = start(log_dir, examples(5), monkeypatch)
+    assert (code, started) == (2, [])
+    assert "had 10 train prompts and had used 8 of epoch 0; this config gives 5" in caplog.text
+    assert "allow_config_change=true" in caplog.text
+
+    code, started = start(log_dir, examples(5), monkeypatch, "checkpointing.allow_config_change=true")
+    fresh = PromptSource(examples(5), 7)
+    fresh.next_batch(5)  # epoch 0 of the smaller set is over: the resumed run goes on with epoch 1
+    assert code == 0 and started[0].next_batch(4) == fresh.next_batch(4)
+
+
+@pytest.mark.parametrize(("items", "seed"), [(examples(10, offset=100), 7), (examples(10), 8)],
+                         ids=["other-prompts", "other-seed"])
+def test_resume_on_another_prompt_stream_of_the_same_size_is_refused(tmp_path, monkeypatch, caplog, items, seed):
+    log_dir = checkpoint_after(items, seed, 4, tmp_path)
+    with caplog.at_level(logging.ERROR):
+        code, started = start(log_dir, examples(10), monkeypatch)
+    assert (code, started) == (2, [])
+    assert "the train prompts (their content or order) or grpo.seed differ" in caplog.text
+
+
+def test_resume_on_the_same_prompts_continues_where_the_run_stopped(tmp_path, monkeypatch):
+    log_dir = checkpoint_after(examples(10), 7, 8, tmp_path)
+    uninterrupted = PromptSource(examples(10), 7)
+    uninterrupted.next_batch(8)
+    code, started = start(log_dir, examples(10), monkeypatch)
+    assert code == 0 and started[0].next_batch(6) == uninterrupted.next_batch(6)
+
+
+class Killed(BaseException):
+    """SIGKILL, as far as the code that was running can tell: nothing after it runs."""
+
+
+def test_a_kill_while_pruning_leaves_no_incomplete_checkpoint(tmp_path, monkeypatch):
+    """Before: rmtree of the pruned step_N, killed halfway, left a visible step_N missing files (6 of 25
+    random SIGKILLs of a saving process in the audit)."""
+    import grpo_app.checkpoint as checkpoint
+
+    manager = CheckpointManager(tmp_path, keep_top_k=2, metric="m", higher_is_better=True)
+    for step in (1, 2):
+        manager.save(step, fake_engine_save, {"step": step, "checkpoint_metric": None})
+    rmtree = checkpoint.shutil.rmtree
+
+    def killed_halfway(path, ignore_errors=False):  # while deleting step_1, whatever its name then
+        if "step_1" not in Path(path).name:
+            return rmtree(path, ignore_errors=ignore_errors)
+        rmtree(Path(path) / "policy")
+        raise Killed
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed_halfway)
+    with pytest.raises(Killed):
+        manager.save(3, fake_engine_save, {"step": 3, "checkpoint_metric": None})  # prunes step_1
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", rmtree)
+    for step_dir in tmp_path.glob("step_*"):  # every visible checkpoint is whole
+        verify_manifest(step_dir)
+    restarted = CheckpointManager(tmp_path, keep_top_k=2, metric="m", higher_is_better=True)
+    assert restarted.newest_intact().step == 3
+    restarted.save(4, fake_engine_save, {"step": 4, "checkpoint_metric": None})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_3", "step_4"]  # the leftover is gone
+
+
+def test_checkpoints_scored_by_another_metric_do_not_outrank_this_runs(tmp_path):
+    """A run resumed with another checkpointing.metric: before, the old scores (another quantity) were
+    ranked against the new ones, and keep-top-k deleted this run's best checkpoint (step_3 here)."""
+    first = CheckpointManager(tmp_path, keep_top_k=1, metric="val/reward_mean", higher_is_better=True)
+    for step, reward in [(1, 0.2), (2, 5.0)]:
+        first.save(step, fake_engine_save, {"step": step, "checkpoint_metric": reward})
+    resumed = CheckpointManager(tmp_path, keep_top_k=1, metric="val/accuracy", higher_is_better=True)
+    for step, accuracy in [(3, 0.9), (4, 0.4)]:
+        resumed.save(step, fake_engine_save, {"step": step, "checkpoint_metric": accuracy})
+    assert resumed.steps() == [3, 4]  # the best accuracy and the latest

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 
 import pytest
 import torch
@@ -216,3 +217,57 @@ def test_crafted_pickle_in_extra_state_never_runs(ckpt, tmp_path) -> None:
     marker = tmp_path / "payload_ran"
     message = run_distributed(_load_tampered, 1, args=(ckpt("llama"), str(tmp_path / "ckpt"), str(marker)))[0]
     assert not marker.exists(), message
+
+
+
+def _resume_with_changed_optimizer(rank: int, world: int, path: str, ckpt_dir: str) -> bool:
+    """1 step, save; the running engine changes lr and weight decay in place, a fresh one with them in its
+    config loads the checkpoint; both train 2 more steps. Returns whether their weights are equal."""
+    batch = grpo_batch(path)
+    first = DTensorEngine(make_policy(path, scheduler={"warmup_steps": 3}))
+    _train(first, batch, 1)
+    first.save_checkpoint(ckpt_dir)
+
+    changed = make_policy(path, scheduler={"warmup_steps": 3})
+    changed.optimizer.kwargs.update(lr=1e-2, weight_decay=0.1)
+    resumed = DTensorEngine(changed)
+    resumed.load_checkpoint(ckpt_dir)
+    for group in first.optimizer.param_groups:  # the reference: the same change made in the running engine
+        group.update(initial_lr=1e-2, weight_decay=0.1)
+    first.scheduler.base_lrs = [1e-2]
+    first.scheduler.last_epoch -= 1
+    first.scheduler.step()  # lr = 1e-2 * warmup factor of the step it is at
+    assert resumed.scheduler.get_last_lr() == first.scheduler.get_last_lr() == [1e-2 * (2 / 3)]
+    _train(first, batch, 2)
+    _train(resumed, batch, 2)
+    want, got = dict(first.export_hf_weights()), dict(resumed.export_hf_weights())
+    return all(torch.equal(want[k], got[k]) for k in want)
+
+
+@pytest.mark.distributed
+def test_resume_follows_the_configured_optimizer_settings(ckpt, tmp_path) -> None:
+    """A resumed run with another lr / weight decay trains with them (before: the checkpoint's, silently),
+    as a run that changes them in place after the same step does."""
+    assert run_distributed(_resume_with_changed_optimizer, 1, args=(ckpt("qwen2"), str(tmp_path / "step1")))[0]
+
+
+def _load_damaged_and_foreign(rank: int, world: int, path: str, root: str) -> tuple[str, str]:
+    engine = DTensorEngine(make_policy(path))
+    engine.save_checkpoint(f"{root}/step1")
+    os.unlink(f"{root}/step1/.metadata")
+    os.mkdir(f"{root}/hf")
+    messages = []
+    for directory in (f"{root}/step1", f"{root}/hf"):  # a damaged checkpoint; a directory that is none
+        try:
+            engine.load_checkpoint(directory)
+        except ValueError as exc:  # CheckpointError is one
+            messages.append(str(exc))
+    return tuple(messages)
+
+
+@pytest.mark.distributed
+def test_a_deleted_metadata_file_is_reported_as_missing(ckpt, tmp_path) -> None:
+    """Before: "not a DTensor engine checkpoint" for a damaged one; a directory that is none still says so."""
+    damaged, foreign = run_distributed(_load_damaged_and_foreign, 1, args=(ckpt("qwen2"), str(tmp_path)))[0]
+    assert re.search(r"step1/\.metadata is missing \(listed in .*MANIFEST.json\)", damaged), damaged
+    assert "is not a DTensor engine checkpoint" in foreign

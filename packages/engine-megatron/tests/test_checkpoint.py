@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -169,3 +170,63 @@ def test_a_node_local_conversion_cache_is_filled_on_every_node(tiny_ckpt, tmp_pa
     each node, the ranks of the other nodes got a path that did not exist there."""
     assert run_distributed(_convert_on_two_nodes, world_size=2, args=(tiny_ckpt("qwen2"), str(tmp_path))) == [
         (True, True), (True, True)]
+
+
+CHANGED_OPTIMIZER = {"kwargs": {"lr": 1e-2, "weight_decay": 0.1, "betas": [0.8, 0.9], "eps": 1e-6}}
+
+
+def _resume_with_changed_optimizer(rank: int, world_size: int, ckpt: str, save_dir: str) -> dict:
+    """1 step, save; the same engine changes its optimizer settings in place, a fresh one with them in its
+    config loads the checkpoint; both train 1 more step."""
+    from engine_megatron.engine import MegatronEngine
+
+    schedule = {"scheduler": {"warmup_steps": 3}}
+    batch = global_batch(3)
+    engine = MegatronEngine(make_policy(ckpt, {}, **schedule))
+    _train(engine, batch, 1)
+    engine.save_checkpoint(save_dir)
+    resumed = MegatronEngine(make_policy(ckpt, {}, **schedule, optimizer=CHANGED_OPTIMIZER))
+    resumed.load_checkpoint(save_dir)
+
+    sched = engine.scheduler  # the reference: the change made in the running engine
+    sched.get_lr = lambda group: 1e-2 * resumed.policy.scheduler.lr_factor(sched.num_steps)
+    sched.start_wd = sched.end_wd = 0.1
+    for group in engine.optimizer.param_groups:
+        group.update(betas=(0.8, 0.9), weight_decay=0.1, lr=sched.get_lr(group))
+    metrics = [_train(e, batch, 1)[0] for e in (engine, resumed)]
+    weights = [dict(e.export_hf_weights()) for e in (engine, resumed)]
+    return {"lr": [m["lr"] for m in metrics],
+            "weights_equal": all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])}
+
+
+@pytest.mark.distributed
+def test_resume_follows_the_configured_optimizer_settings(tiny_ckpt, tmp_path: Path) -> None:
+    """Before: the checkpoint's weight decay and betas applied, silently (the lr followed the config)."""
+    result = run_distributed(_resume_with_changed_optimizer, world_size=1,
+                             args=(tiny_ckpt("qwen2"), str(tmp_path / "step1")))[0]
+    assert result["lr"] == [1e-2 * (2 / 3)] * 2
+    assert result["weights_equal"]
+
+
+def _load_without_metadata(rank: int, world_size: int, ckpt: str, save_dir: str) -> tuple[str, str]:
+    from engine_megatron.engine import MegatronEngine
+
+    engine = MegatronEngine(make_policy(ckpt, {}))
+    engine.save_checkpoint(save_dir)
+    (Path(save_dir) / "metadata.json").unlink()
+    messages = []
+    for path in (save_dir, str(Path(save_dir).parent)):  # a damaged checkpoint; a directory that is none
+        try:
+            engine.load_checkpoint(path)
+        except ValueError as exc:
+            messages.append(str(exc))
+    return tuple(messages)
+
+
+@pytest.mark.distributed
+def test_a_deleted_metadata_file_is_reported_as_missing(tiny_ckpt, tmp_path: Path) -> None:
+    """Before: "not an engine checkpoint (no metadata.json)" for a damaged one."""
+    damaged, other = run_distributed(_load_without_metadata, world_size=1,
+                                     args=(tiny_ckpt("qwen2"), str(tmp_path / "ckpt" / "step1")))[0]
+    assert re.search(r"step1/metadata.json is missing \(listed in .*MANIFEST.json\)", damaged), damaged
+    assert "is not an engine checkpoint" in other

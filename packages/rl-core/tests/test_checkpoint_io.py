@@ -11,6 +11,7 @@ from rl_core.checkpoint_io import (
     CheckpointError,
     atomic_dir,
     atomic_write_text,
+    changed_settings,
     load_tensors,
     rng_state,
     set_rng_state,
@@ -71,3 +72,10 @@ def test_atomic_dir_publishes_whole_or_nothing(tmp_path):
     assert (tmp_path / "out/a").read_text() == "1" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     atomic_write_text(tmp_path / "f.txt", "x")
     assert (tmp_path / "f.txt").read_text() == "x" and len(list(tmp_path.iterdir())) == 2
+
+
+def test_changed_settings_names_each_optimizer_setting_a_resume_changes():
+    configured = [{"base_lr": 0.01, "betas": (0.8, 0.9), "eps": 1e-8}, {"base_lr": 0.01, "betas": (0.8, 0.9)}]
+    saved = [{"base_lr": 0.001, "betas": (0.9, 0.999), "eps": 1e-8}, {"base_lr": 0.001, "betas": (0.9, 0.999)}]
+    assert changed_settings(configured, saved) == ["base_lr 0.001 -> 0.01", "betas (0.9, 0.999) -> (0.8, 0.9)"]
+    assert changed_settings(configured, configured) == []

@@ -3,7 +3,8 @@
 Owns: `torch.distributed.checkpoint` (DCP) save/load of model + optimizer (sharded, reshardable),
 scheduler and per-rank RNG state (tensors and plain values: loaded with weights_only), written to
 `<path>.tmp`, listed in a checksum manifest and renamed into place, so that a crash never leaves a
-half-written `<path>` and a damaged one is refused before DCP unpickles its `.metadata`; streaming
+half-written `<path>` and a damaged one is refused before DCP unpickles its `.metadata`; on load the
+optimizer settings (lr, weight decay, betas, ...) stay the configured ones, as in the Megatron engine; streaming
 export of full HF-named tensors (one all-gather at a time); `save_hf` (safetensors shards + config + tokenizer files) that `AutoModelForCausalLM.from_pretrained`
 loads. The filesystem must be shared by all ranks (one node, or a network filesystem).
 """
@@ -72,9 +73,11 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
 
 def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: object) -> None:
     """Restore what `save_checkpoint` wrote (resharding to this run's layout if it differs)."""
-    if not (Path(path) / ".metadata").exists():
+    if not (Path(path) / ".metadata").exists() and not (Path(path) / checkpoint_io.MANIFEST_FILE).exists():
         raise ValueError(f"{path!r} is not a DTensor engine checkpoint (no DCP .metadata file in it)")
-    checkpoint_io.verify_manifest_on_rank0(path)  # before dcp.load, which unpickles .metadata
+    # before dcp.load, which unpickles .metadata; names a listed file that is missing (.metadata too)
+    checkpoint_io.verify_manifest_on_rank0(path)
+    configured = _hyperparameters(optimizer, scheduler)
     model_sd, optim_sd = get_state_dict(model, optimizer)  # the target layout, incl. empty optimizer state
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
@@ -85,8 +88,32 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
         extra_file = Path(path) / "extra_rank0.pt"
     extra = checkpoint_io.load_tensors(extra_file)
     scheduler.load_state_dict(extra["scheduler"])
+    _restore_configured_hyperparameters(path, optimizer, scheduler, configured)
     checkpoint_io.set_rng_state(extra["rng"])
     logger.info("loaded checkpoint %s", path)
+
+
+def _hyperparameters(optimizer: torch.optim.Optimizer, scheduler: object) -> list[dict[str, object]]:
+    """Each param group's settings with the schedule's base lr (its current lr is derived), no parameters."""
+    return [{**{k: v for k, v in group.items() if k not in ("params", "lr", "initial_lr")}, "base_lr": base_lr}
+            for group, base_lr in zip(optimizer.param_groups, scheduler.base_lrs)]
+
+
+def _restore_configured_hyperparameters(path: str, optimizer: torch.optim.Optimizer, scheduler: object,
+                                        configured: list[dict[str, object]]) -> None:
+    """The run's config, not the checkpoint, sets lr, weight decay, betas, ...: the loaded param groups and
+    scheduler carry the saving run's values, which would silently override a changed policy.optimizer
+    (the Megatron engine follows the config too). The schedule's position stays the checkpoint's."""
+    changes = checkpoint_io.changed_settings(configured, _hyperparameters(optimizer, scheduler))
+    if changes:
+        logger.warning("%s was saved with other optimizer settings; the configured ones apply: %s",
+                       path, ", ".join(changes))
+    for group, settings, lr_lambda in zip(optimizer.param_groups, configured, scheduler.lr_lambdas):
+        base_lr = settings["base_lr"]
+        group.update({k: v for k, v in settings.items() if k != "base_lr"}, initial_lr=base_lr,
+                     lr=base_lr * lr_lambda(scheduler.last_epoch))
+    scheduler.base_lrs = [settings["base_lr"] for settings in configured]
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports
 
 
 def _to_checkpoint_layout(model: nn.Module) -> Callable[[str, Tensor], dict[str, Tensor]]:

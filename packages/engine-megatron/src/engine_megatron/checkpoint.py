@@ -6,6 +6,8 @@ another DP size), the scheduler (common state) and one RNG file per rank. Writte
 directory beside `path`, listed in a checksum manifest and renamed into place only after every rank has
 finished, so a crash never leaves a half-written checkpoint under `path`, and a damaged one is refused
 before megatron reads (and unpickles) it. RNG files hold tensors and plain values (loaded weights_only).
+On load the optimizer settings stay the configured ones (lr and weight decay: the scheduler; betas, eps:
+here), as in the DTensor engine; only the schedule's position comes from the checkpoint.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from rl_core import checkpoint_io
 logger = logging.getLogger(__name__)
 
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+CONFIGURED_SETTINGS = ("betas", "eps", "momentum")
 
 
 def _sharded_state(model: Any, optimizer: Any, scheduler: Any, *, is_loading: bool) -> dict[str, Any]:
@@ -67,6 +70,22 @@ def _use_forked_results_queue() -> None:
 
     if filesystem_async._results_queue is None:
         filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+
+
+def _configured_settings(optimizer: Any) -> list[dict[str, Any]]:
+    """The param groups' settings that come from policy.optimizer alone (the scheduler sets lr and weight decay)."""
+    return [{key: group[key] for key in CONFIGURED_SETTINGS if key in group} for group in optimizer.param_groups]
+
+
+def _restore_configured_settings(path: str, optimizer: Any, configured: list[dict[str, Any]]) -> None:
+    """The run's config, not the checkpoint, sets betas and eps: optimizer.load_state_dict brings back the saving
+    run's, which would silently override a changed policy.optimizer (the DTensor engine follows the config too)."""
+    changes = checkpoint_io.changed_settings(configured, _configured_settings(optimizer))
+    if changes:
+        logger.warning("%s was saved with other optimizer settings; the configured ones apply: %s",
+                       path, ", ".join(changes))
+    for group, settings in zip(optimizer.param_groups, configured):
+        group.update(settings)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -127,18 +146,21 @@ def load(path: str, model: Any, optimizer: Any, scheduler: Any) -> None:
     from megatron.core import dist_checkpointing
 
     path = str(_common_path(path))
-    if not Path(path, "metadata.json").exists():
+    if not Path(path, "metadata.json").exists() and not Path(path, checkpoint_io.MANIFEST_FILE).exists():
         raise ValueError(f"{path} is not an engine checkpoint (no metadata.json); pass a directory that "
                          "MegatronEngine.save_checkpoint wrote")
-    checkpoint_io.verify_manifest_on_rank0(path)  # before dist_checkpointing reads (and unpickles) anything in it
+    # before dist_checkpointing reads (and unpickles) anything in it; names a listed file that is missing
+    checkpoint_io.verify_manifest_on_rank0(path)
     with device_context():
         state = dist_checkpointing.load(_sharded_state(model, optimizer, scheduler, is_loading=True), path)
     missing, unexpected = gpt_model(model).load_state_dict(state["model"], strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
         raise ValueError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
+    configured = _configured_settings(optimizer)
     with torch.no_grad(), device_context():
         optimizer.load_state_dict(state["optimizer"])
+    _restore_configured_settings(path, optimizer, configured)
     scheduler.num_steps = 0  # megatron's load_state_dict adds the saved step count to the current one
     scheduler.load_state_dict(state["scheduler"])
     rng_file = Path(path, f"rng_rank{dist.get_rank()}.pt")

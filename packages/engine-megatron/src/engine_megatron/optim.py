@@ -83,9 +83,14 @@ def build_scheduler(optimizer: Any, policy: PolicyConfig, cfg: MegatronConfig) -
         lr_warmup_steps=sched.warmup_steps, lr_decay_steps=max(sched.total_steps, sched.warmup_steps + 1),
         lr_decay_style=sched.decay, start_wd=wd, end_wd=wd, wd_incr_steps=max(sched.total_steps, 1),
         wd_incr_style="constant",
+        # a resumed run follows its config (lr, weight decay, schedule), as the DTensor engine does; megatron's
+        # default keeps the checkpoint's values, silently ignoring a changed policy.optimizer on resume
+        override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False,
     )
     if cfg.scheduler:
         kwargs.update(cfg.scheduler)
+        if kwargs["use_checkpoint_opt_param_scheduler"] and "override_opt_param_scheduler" not in cfg.scheduler:
+            kwargs["override_opt_param_scheduler"] = False  # asked for megatron's own: megatron refuses both
         return OptimizerParamScheduler(optimizer, **kwargs)
 
     class PolicyScheduler(OptimizerParamScheduler):

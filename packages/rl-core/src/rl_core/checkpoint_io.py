@@ -8,6 +8,7 @@
   once. Verifying before loading is what keeps a damaged file from being read, and what protects
   torch's DCP reader, which unpickles `.metadata`: a checkpoint from elsewhere is code, trust it as such.
 - `rng_state` / `set_rng_state`: torch (CPU, CUDA) and Python RNG as tensors and plain types.
+- `changed_settings`: what a resumed run's optimizer config changes from its checkpoint's (for the log).
 - `load_tensors`: `torch.load(weights_only=True)`: tensors, containers and numbers only; a file that
   asks to run code is refused with `CheckpointError`.
 """
@@ -183,6 +184,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate((version, tuple(internal), gauss))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def changed_settings(configured: list[dict[str, Any]], saved: list[dict[str, Any]]) -> list[str]:
+    """`key saved -> configured` for each setting of each optimizer param group that a checkpoint has otherwise."""
+    return sorted({f"{key} {old!r} -> {new.get(key)!r}" for new, old_group in zip(configured, saved)
+                   for key, old in old_group.items() if new.get(key) != old})
 
 
 def load_tensors(path: str | os.PathLike) -> Any:
