@@ -48,6 +48,21 @@ def test_logprobs_match_hf(tiny_ckpt, arch: str) -> None:
     assert diff <= 1e-5
 
 
+def _logprobs_at(rank: int, world_size: int, ckpt: str, temperature: float) -> list[torch.Tensor]:
+    from engine_megatron.engine import MegatronEngine
+
+    return MegatronEngine(make_policy(ckpt, temperature=temperature)).compute_logprobs(global_batch(0))
+
+
+@pytest.mark.distributed
+def test_temperature_divides_logits(tiny_ckpt) -> None:
+    """policy.temperature != 1: log softmax(logits / T) of the HF model (fp64, one sequence at a time)."""
+    ckpt = tiny_ckpt("llama")
+    (got,) = run_distributed(_logprobs_at, 1, args=(ckpt, 0.7))
+    ref = hf_target_logprobs(ckpt, global_batch(0), temperature=0.7)
+    assert max_abs_diff(dict(enumerate(got)), dict(enumerate(ref))) <= 1e-5
+
+
 LAYOUTS = {
     "tp2": (2, {"tensor_model_parallel_size": 2}, {}),  # sequence parallel on by default with TP>1
     "tp2_sp_off": (2, {"tensor_model_parallel_size": 2, "sequence_parallel": False}, {}),

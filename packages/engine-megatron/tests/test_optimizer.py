@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from megatron_testutil import LOSS, POLICY, global_batch, make_policy
+from megatron_testutil import LENGTHS, LOSS, POLICY, global_batch, make_policy
 
 from rl_core.losses import ClippedPGLoss
 from rl_core.testing.distributed import run_distributed
@@ -43,6 +43,29 @@ def test_non_finite_grad_norm_skips_the_step(tiny_ckpt) -> None:
         assert all(m["skipped"] == 0.0 and math.isfinite(m["grad_norm"]) for m in after), after
         lrs = [skipped["lr"], *(m["lr"] for m in after)]
         assert lrs == pytest.approx([LR / warm, LR / warm, 2 * LR / warm], rel=1e-12, abs=0), lrs
+
+
+def _nan_prev_on_one_rank(rank: int, world_size: int, ckpt: str) -> tuple[dict, bool]:
+    """DP=2; every token clipped (A = -1, r = e^-1 < 1 - eps: no gradient but through the clamp), and one
+    valid prev logprob of DP rank 1 NaN. The NaN must still reach the gradient, so that both ranks skip."""
+    from engine_megatron.engine import MegatronEngine
+
+    engine = MegatronEngine(make_policy(ckpt))
+    batch = global_batch(0).select(range(rank, len(LENGTHS), world_size))
+    before = engine.compute_logprobs(batch)
+    prev = [lp + 1.0 for lp in before]
+    if rank == 1:
+        prev[0][-1] = float("nan")
+    batch = batch.with_fields(prev_logprobs=prev, advantages=[-torch.ones(len(lp)) for lp in before])
+    step = engine.train_batch(batch, ClippedPGLoss(LOSS))
+    return step, all(torch.equal(a, b) for a, b in zip(before, engine.compute_logprobs(batch)))
+
+
+@pytest.mark.distributed
+def test_nan_logprob_on_one_dp_rank_skips_the_step_on_every_rank_even_when_all_tokens_clip(tiny_ckpt) -> None:
+    for step, unchanged in run_distributed(_nan_prev_on_one_rank, world_size=2, args=(tiny_ckpt("qwen2"),)):
+        assert step["nonfinite_logprob_tokens"] == 1.0 and step["skipped"] == 1.0, step
+        assert not math.isfinite(step["grad_norm"]) and unchanged
 
 
 def _lrs(rank: int, world_size: int, ckpt: str) -> list[float]:

@@ -125,3 +125,26 @@ def test_bad_mode_names_choices():
     with pytest.raises(ValueError, match="icepop"):
         importance_weights(torch.zeros(1), torch.zeros(1), torch.ones(1), torch.zeros(1, dtype=torch.long),
                            mode="clip")
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("mode", [None, "tis", "icepop", "seq-mask-tis"])
+def test_nan_sampler_logprob_gets_weight_zero_and_counts_out_of_bounds(level, mode):
+    """A NaN gen logprob (a sampler glitch, not the trainer's numerics) zeroes the weight it enters, as
+    seq-mask-tis always did, instead of making the loss NaN and the whole step skipped."""
+    prev = [-1.0, -1.2, -0.7, -2.0, -0.9]
+    gen = [-1.1, float("nan"), -0.8, -1.9, -1.0]
+    seq = [0, 0, 0, 1, 1]
+    t = lambda xs: torch.tensor(xs, dtype=torch.float64)  # noqa: E731
+    weights, metrics = importance_weights(t(prev), t(gen), torch.ones(5, dtype=torch.float64), torch.tensor(seq),
+                                          level=level, mode=mode, low=0.5, high=2.0)
+    # the reference without the NaN token; the weights it enters (its token, or its whole sequence) are 0
+    clean = [0, 2, 3, 4]
+    ref = is_reference([prev[i] for i in clean], [gen[i] for i in clean], [1.0] * 4, [seq[i] for i in clean],
+                       level, mode, 0.5, 2.0)
+    whole_sequence = level == "sequence" or mode == "seq-mask-tis"
+    want = {i: 0.0 if whole_sequence and seq[i] == 0 else w for i, w in zip(clean, ref)}
+    want[1] = 0.0
+    assert weights.tolist() == pytest.approx([want[i] for i in range(5)], rel=1e-10, abs=1e-12)
+    zeroed = 3 if whole_sequence else 1
+    assert float(metrics["is_oob_fraction"]) == pytest.approx(zeroed / 5, abs=1e-12)

@@ -88,3 +88,17 @@ def test_nonfinite_logprob_on_valid_token_is_counted_and_poisons_the_gradient(ba
     assert float(metrics["nonfinite_logprob_tokens"]) == 1.0
     assert not torch.isfinite(lp.grad).all()
 
+
+
+@pytest.mark.parametrize("bad", [float("-inf"), float("nan")])
+def test_nonfinite_logprob_poisons_the_gradient_when_every_other_token_is_clipped(bad):
+    """A < 0 and r = e^-1 < 1 - eps on the clean tokens: max(-A r, -A clip(r)) takes the clipped branch, whose
+    gradient is 0 through the clamp. The NaN must still reach the gradient, or the step runs on a NaN loss."""
+    prev = torch.tensor([0.0, bad, 0.0], dtype=F32)
+    lp = torch.tensor([-1.0, -1.0, -1.0], dtype=F32, requires_grad=True)
+    loss, metrics = clipped_pg_loss(lp, prev, -torch.ones(3), torch.ones(3), torch.zeros(3, dtype=torch.long),
+                                    num_valid_tokens=3, num_valid_seqs=1)
+    loss.backward()
+    assert float(metrics["nonfinite_logprob_tokens"]) == 1.0 and math.isnan(float(loss.detach()))
+    assert not torch.isfinite(lp.grad).any()
+

@@ -14,7 +14,8 @@ Numerics: masked positions are replaced by 0 with `torch.where` before anything 
 prompt token's trainer logprob can be -90 or -inf while gen is 0 there: `exp(...) * mask` would be
 inf * 0 = NaN), and every log-ratio is clamped to +-LOG_RATIO_CLAMP before `exp` (as verl does), so a
 weight or `token_mult_prob_error` term is at most exp(20) ~ 4.9e8, never inf in float32 (exp overflows
-there at 88.7).
+there at 88.7). A NaN sampler logprob on a valid token gives weight 0 to what it enters (its token, or its
+sequence at level "sequence" and in seq-mask-tis) and counts as out of bounds, in every mode.
 """
 
 from __future__ import annotations
@@ -67,12 +68,14 @@ def importance_weights(
     if level == "sequence":
         log_w = segment_sum(log_w, seq_ids)[seq_ids].clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     raw = torch.exp(log_w)
+    # a NaN sampler logprob leaves its weight unknown: weight 0 (not a NaN loss), counted out of bounds
+    unknown = raw.isnan()
     if mode is None:
-        weights, out_of_bounds = raw, torch.zeros_like(raw, dtype=torch.bool)
+        weights, out_of_bounds = raw, unknown
     elif mode == "tis":
-        weights, out_of_bounds = raw.clamp(low, high), (raw < low) | (raw > high)
+        weights, out_of_bounds = raw.clamp(low, high), (raw < low) | (raw > high) | unknown
     elif mode == "icepop":
-        out_of_bounds = (raw < low) | (raw > high)
+        out_of_bounds = (raw < low) | (raw > high) | unknown
         weights = torch.where(out_of_bounds, torch.zeros_like(raw), raw)
     else:  # seq-mask-tis
         token_log_w = masked_log_ratio(prev, gen, valid)
@@ -81,7 +84,7 @@ def importance_weights(
         seq_ratio = torch.exp(seq_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))[seq_ids]
         out_of_bounds = (seq_ratio < low) | (seq_ratio > high) | seq_log_ratio.isnan()[seq_ids]
         weights = torch.where(out_of_bounds, torch.zeros_like(raw), torch.exp(token_log_w).clamp(max=high))
-    weights = torch.where(valid, weights, torch.zeros_like(weights))
+    weights = torch.where(valid & ~unknown, weights, torch.zeros_like(weights))
     denom = float(num_valid_tokens) if num_valid_tokens is not None else mask.sum().clamp(min=1)
     abs_log_w = masked_log_ratio(gen, prev, valid).abs()
     metrics = {

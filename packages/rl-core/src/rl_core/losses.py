@@ -128,9 +128,20 @@ def clipped_pg_loss(
         if entropy is not None:
             metrics["entropy"] = torch.where(valid, entropy.detach(), 0.0).sum() / n_tok
         metrics["nonfinite_logprob_tokens"] = nonfinite.to(mask.dtype)
-    # poison the gradient so that optimizer_step skips the step (module docstring); no host sync
-    loss = loss * torch.where(nonfinite > 0, float("nan"), 1.0).to(loss.dtype)
-    return loss, metrics
+    return _poison_gradient(loss, logprobs, valid, nonfinite), metrics
+
+
+def _poison_gradient(loss: Tensor, logprobs: Tensor, valid: Tensor, nonfinite: Tensor) -> Tensor:
+    """`loss`, made NaN in value and in the gradient of every valid token when `nonfinite` > 0, so that
+    optimizer_step skips the step (module docstring); unchanged otherwise. No host sync.
+
+    Added as `NaN * sum(valid logprobs)` rather than multiplied into the loss: the NaN gradient of
+    `loss * NaN` stops at every clamp, max or where that routed a token's gradient elsewhere, so a
+    micro-batch whose valid tokens are all clipped gave a NaN loss with a finite gradient, and the step ran.
+    """
+    poison = torch.where(nonfinite > 0, float("nan"), 0.0).to(loss.dtype)
+    anchor = torch.where(valid, logprobs, torch.zeros_like(logprobs)).sum()  # finite unless poisoned
+    return loss + poison * anchor
 
 
 def _count_nonfinite(valid: Tensor, *logprobs: Tensor | None) -> Tensor:
