@@ -20,7 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from grpo_app.prompts import PromptSource
-from rl_core.checkpoint_io import MANIFEST_FILE, CheckpointError, atomic_dir, verify_manifest, write_manifest
+from rl_core.checkpoint_io import (
+    MANIFEST_FILE,
+    CheckpointError,
+    atomic_dir,
+    recover_publish,
+    verify_manifest,
+    write_manifest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +60,7 @@ class CheckpointManager:
     def save(self, step: int, save_engine: Any, state: dict[str, Any]) -> Path:
         """`save_engine(path)` writes the policy; `state` is the trainer's JSON-serialisable state."""
         final = self.root / f"step_{step}"
+        self._recover()
         for stale in self.root.glob(".step_*.tmp-*"):  # what a killed save left behind
             shutil.rmtree(stale, ignore_errors=True)
         state = {**state, "checkpoint_metric_name": self.metric}  # a score means nothing without its metric
@@ -83,6 +91,7 @@ class CheckpointManager:
         silently overwrite the run's metrics.
         """
         self._refuse_a_single_checkpoint_as_root()
+        self._recover()
         damaged = []
         for step in reversed(self.steps()):
             path = self.root / f"step_{step}"
@@ -97,6 +106,12 @@ class CheckpointManager:
                 f"no intact checkpoint in {self.root} ({'; '.join(damaged)}). Restore the files, or move the "
                 "run directory away (or set logger.log_dir) to start a new run")
         return None
+
+    def _recover(self) -> None:
+        """A save that replaced step_N (after a fall-back from a damaged one) and was killed between its two
+        renames left only step_N.old: the previous step_N, put back (rl_core.checkpoint_io.recover_publish)."""
+        for old in self.root.glob("step_*.old"):
+            recover_publish(old.with_suffix(""))
 
     def _refuse_a_single_checkpoint_as_root(self) -> None:
         """checkpointing.dir set to one checkpoint (`.../step_N`) holds no `step_*`: it would start over."""

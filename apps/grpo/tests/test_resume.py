@@ -382,6 +382,33 @@ def test_a_kill_while_pruning_leaves_no_incomplete_checkpoint(tmp_path, monkeypa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_3", "step_4"]  # the leftover is gone
 
 
+def test_a_kill_while_replacing_a_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch):
+    """Saving step_N again (after a fall-back from a damaged step_N) moves the old one to step_N.old, then the
+    new one into place. Before: a kill between the two renames left no step_N (the resume fell back a step)
+    and a step_N.old that nothing read or removed."""
+    import rl_core.checkpoint_io as checkpoint_io
+
+    manager = CheckpointManager(tmp_path, keep_top_k=3, metric="m", higher_is_better=True)
+    for step in (1, 2):
+        manager.save(step, fake_engine_save, {"step": step, "checkpoint_metric": None, "copy": "first"})
+    rename = checkpoint_io.os.rename
+
+    def killed_before_the_new_one_is_in_place(src, dst):
+        if Path(src).name.startswith(".step_2.tmp-"):
+            raise Killed
+        rename(src, dst)
+
+    monkeypatch.setattr(checkpoint_io.os, "rename", killed_before_the_new_one_is_in_place)
+    with pytest.raises(Killed):
+        manager.save(2, fake_engine_save, {"step": 2, "checkpoint_metric": None, "copy": "second"})
+    monkeypatch.setattr(checkpoint_io.os, "rename", rename)
+    restarted = CheckpointManager(tmp_path, keep_top_k=3, metric="m", higher_is_better=True)
+    point = restarted.newest_intact()
+    assert (point.step, point.state["copy"]) == (2, "first")
+    restarted.save(3, fake_engine_save, {"step": 3, "checkpoint_metric": None})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1", "step_2", "step_3"]
+
+
 def test_checkpoints_scored_by_another_metric_do_not_outrank_this_runs(tmp_path):
     """A run resumed with another checkpointing.metric: before, the old scores (another quantity) were
     ranked against the new ones, and keep-top-k deleted this run's best checkpoint (step_3 here)."""

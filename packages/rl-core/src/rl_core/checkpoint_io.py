@@ -7,6 +7,7 @@
   manifest's checksum (verified recursively), so an engine checkpoint inside a run checkpoint is hashed
   once. Verifying before loading is what keeps a damaged file from being read, and what protects
   torch's DCP reader, which unpickles `.metadata`: a checkpoint from elsewhere is code, trust it as such.
+- `recover_publish`: after a crash inside a replacing `publish_dir`, the previous version back in place.
 - `rng_state` / `set_rng_state`: torch (CPU, CUDA) and Python RNG as tensors and plain types.
 - `changed_settings`: what a resumed run's optimizer config changes from its checkpoint's (for the log).
 - `load_tensors`: `torch.load(weights_only=True)`: tensors, containers and numbers only; a file that
@@ -72,7 +73,8 @@ def publish_dir(tmp: str | os.PathLike, final: str | os.PathLike, *, replace: bo
     """Make the complete directory `tmp` appear as `final` (replacing an existing one) after syncing it.
 
     An existing `final` is moved aside first and removed after the rename, so a crash in between leaves
-    `final.old` and `tmp` (both ignored by readers), never a mix of the two versions. `replace=False`: an
+    `final.old` and `tmp` (both ignored by readers), never a mix of the two versions; `recover_publish`
+    puts `final.old` back. `replace=False`: an
     existing `final` (one that appeared since the caller checked) is FileExistsError, left as it is.
     """
     tmp, final = Path(tmp), Path(final)
@@ -86,6 +88,22 @@ def publish_dir(tmp: str | os.PathLike, final: str | os.PathLike, *, replace: bo
     os.rename(tmp, final)
     fsync_dir(final.parent)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def recover_publish(final: str | os.PathLike) -> None:
+    """Finish a `publish_dir` that a crash cut short. `final.old` beside `final`: the crash came after the
+    new version's rename, and the old one goes. `final.old` alone: the crash came between the two renames,
+    and `final.old` is the previous version, whole: it becomes `final` again (the new one, under its
+    temporary name, was never published)."""
+    final = Path(final)
+    old = final.with_name(final.name + ".old")
+    if not old.is_dir():
+        return
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(old, final)
+        fsync_dir(final.parent)
 
 
 @contextlib.contextmanager
