@@ -93,17 +93,21 @@ def publish_dir(tmp: str | os.PathLike, final: str | os.PathLike, *, replace: bo
 def recover_publish(final: str | os.PathLike) -> None:
     """Finish a `publish_dir` that a crash cut short. `final.old` beside `final`: the crash came after the
     new version's rename, and the old one goes. `final.old` alone: the crash came between the two renames,
-    and `final.old` is the previous version, whole: it becomes `final` again (the new one, under its
-    temporary name, was never published)."""
+    and `final.old` is the previous version: it becomes `final` again if it verifies against its manifest
+    (the new one, under its temporary name, was never published); anything else is left alone."""
     final = Path(final)
     old = final.with_name(final.name + ".old")
     if not old.is_dir():
         return
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(old, final)
-        fsync_dir(final.parent)
+        return
+    try:
+        verify_manifest(old)
+    except CheckpointError:
+        return
+    os.rename(old, final)
+    fsync_dir(final.parent)
 
 
 @contextlib.contextmanager
