@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from grpo_app.checkpoint import CheckpointManager, ResumePoint, check_identity, run_identity
@@ -33,7 +35,28 @@ def load_prompts(cfg: GRPOConfig, tokenizer: Any, split: str) -> list[PromptExam
         records = toy_prompts(env.name, num, split="train" if split == "train" else "validation",
                               seed=cfg.grpo.seed, **env.prompt_kwargs)
         examples = build_examples(records, tokenizer, **render)
-    return drop_long_prompts(examples, cfg.prompt_token_limit, f"{split} ({path or env.name})")
+    source = f"{split} ({path or env.name})"
+    check_prompt_vocab(examples, model_vocab_size(cfg.policy.model_name), source)
+    return drop_long_prompts(examples, cfg.prompt_token_limit, source)
+
+
+def model_vocab_size(model_dir: str) -> int | None:
+    """`vocab_size` of the checkpoint's config.json (None where it has none at the top level)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return config.get("vocab_size")
+
+
+def check_prompt_vocab(examples: list[PromptExample], vocab_size: int | None, source: str) -> None:
+    """Every prompt token has a row in the model's embedding; a tokenizer of a larger vocabulary (not the
+    model's own) would otherwise fail in the generator, after Ray and every worker started."""
+    if vocab_size is None:
+        return
+    for number, example in enumerate(examples, start=1):
+        if example.prompt_token_ids and max(example.prompt_token_ids) >= vocab_size:
+            outside = sorted({t for t in example.prompt_token_ids if t >= vocab_size})
+            raise ValueError(f"{source} prompt {number} has token ids {outside[:5]} >= the model's vocab_size "
+                             f"{vocab_size} (policy.model_name's config.json): the tokenizer in that directory "
+                             "is not the model's")
 
 
 def drop_long_prompts(examples: list[PromptExample], limit: int | None, source: str) -> list[PromptExample]:
@@ -44,10 +67,12 @@ def drop_long_prompts(examples: list[PromptExample], limit: int | None, source: 
     kept = [e for e in examples if len(e.prompt_token_ids) <= limit]
     if not kept:
         raise ValueError(f"every {source} prompt is longer than {limit} tokens (env.max_prompt_tokens, or "
-                         "generation.backend_kwargs.max_model_len - generation.max_new_tokens); raise the limit")
+                         "generation.backend_kwargs.max_model_len - generation.max_new_tokens, or the micro-batch "
+                         "token budget - generation.max_new_tokens); raise the limit")
     if len(kept) < len(examples):
         longest = max(len(e.prompt_token_ids) for e in examples)
-        logger.warning("dropped %d of %d %s prompts longer than %d tokens (the longest: %d; env.max_prompt_tokens)",
+        logger.warning("dropped %d of %d %s prompts longer than %d tokens (the longest: %d; env.max_prompt_tokens, "
+                       "max_model_len or the micro-batch token budget, less generation.max_new_tokens)",
                        len(examples) - len(kept), len(examples), source, limit, longest)
     return kept
 
@@ -67,8 +92,10 @@ def load_inputs(cfg: GRPOConfig) -> RunInputs:
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.policy.model_name)
     train = PromptSource(load_prompts(cfg, tokenizer, "train"), cfg.grpo.seed)
+    if not cfg.grpo.val_every:  # no validation: a task without built-in prompts needs no env.val_data
+        return RunInputs(tokenizer=tokenizer, train=train, val=[])
     val = load_prompts(cfg, tokenizer, "val")[: cfg.grpo.num_val_prompts]
-    if not val and cfg.grpo.val_every:
+    if not val:
         raise ValueError("the validation prompt set is empty: set env.val_data or grpo.val_every=0")
     return RunInputs(tokenizer=tokenizer, train=train, val=val)
 

@@ -18,7 +18,7 @@ from typing import Any, Literal
 import yaml
 
 from grpo_app.devices import Hardware, detect_hardware, resolve_auto
-from rl_core.config import ConfigError, PolicyConfig, parse_config, unknown_key_error
+from rl_core.config import ConfigError, PolicyConfig, micro_batch_limits, parse_config, unknown_key_error
 from rl_core.losses import LossConfig
 
 logger = logging.getLogger(__name__)
@@ -107,6 +107,9 @@ class EnvConfig:
             raise ConfigError(f"env.num_workers must be >= 0 (0: score in the driver); got {self.num_workers}")
         if not 0.0 <= self.max_failed_reward_fraction <= 1.0:
             raise ConfigError(f"env.max_failed_reward_fraction={self.max_failed_reward_fraction} must be in [0, 1]")
+        if self.system_prompt is not None and not self.use_chat_template:  # it would be dropped silently
+            raise ConfigError("env.system_prompt is a turn of the chat template, which env.use_chat_template=false "
+                              "does not apply; set env.use_chat_template=true, or env.system_prompt= (empty) to drop it")
 
 
 @dataclass(kw_only=True)
@@ -171,15 +174,30 @@ class GRPOConfig:
 
     @property
     def prompt_token_limit(self) -> int | None:
-        """The longest prompt a run keeps: env.max_prompt_tokens, else max_model_len - max_new_tokens."""
-        if self.env.max_prompt_tokens is not None:
-            return self.env.max_prompt_tokens
+        """The longest prompt a run keeps: env.max_prompt_tokens, else max_model_len - max_new_tokens; and at
+        most what the micro-batch token budget leaves for max_new_tokens, since a longer prompt with a full
+        completion fits no micro-batch and would stop the run at the step that sampled it."""
+        limit = self.env.max_prompt_tokens
         max_model_len = self.generation.backend_kwargs.get("max_model_len")
-        return None if max_model_len is None else int(max_model_len) - self.generation.max_new_tokens
+        if limit is None and max_model_len is not None:
+            limit = int(max_model_len) - self.generation.max_new_tokens
+        longest = longest_planned_sequence(self.policy)
+        if longest is not None:
+            fits = longest - self.generation.max_new_tokens
+            limit = fits if limit is None else min(limit, fits)
+        return limit
 
     @property
     def checkpoint_dir(self) -> Path:
         return Path(self.checkpointing.dir or Path(self.logger.log_dir) / "checkpoints")
+
+
+def longest_planned_sequence(policy: PolicyConfig) -> int | None:
+    """The longest sequence the micro-batch planner accepts in both the training and the logprob passes (None:
+    no token budget), as seqpack prices it (rounded up to dynamic batching's sequence_length_round). An
+    engine's own length multiple (TP under sequence parallel, megatron's 2 x TP x CP) can lower it further."""
+    budgets = [micro_batch_limits(policy, training=training, seq_multiple=1) for training in (True, False)]
+    return min((b["max_tokens"] // b["round_to"] * b["round_to"] for b in budgets if "max_tokens" in b), default=None)
 
 
 # ---- loading --------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from rl_core.filters import dynamic_sampling_keep, overlong_loss_mask
 from rl_core.interfaces import Completion, RewardRequest, SamplingParams
 from rl_core.losses import ClippedPGLoss
 from rollout.datasets import PromptExample
+from rollout.environments import check_reward_failures, finite_rewards
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,9 @@ def rollout(run: Run, prompts: list[PromptExample], params: SamplingParams, time
     with timer("reward"):
         scoring.sort(key=lambda item: item[0][0].prompt_index)
         completions = [c for part, _ in scoring for c in part]
-        results = [r for _, wait in scoring for r in wait()]
+        # an environment's NaN / inf reward counts as a failed call (scored 0), like a reward function's
+        results = finite_rewards([r for _, wait in scoring for r in wait()])
+        check_reward_failures(results, run.cfg.env.max_failed_reward_fraction, "env.max_failed_reward_fraction")
     rewards = torch.tensor([r.reward for r in results], dtype=torch.float32)
     return completions, rewards, results
 

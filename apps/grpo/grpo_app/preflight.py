@@ -14,10 +14,12 @@ import importlib.util
 import inspect
 import logging
 import math
+import os
 import socket
 import types
 import typing
 from collections.abc import Callable, Collection
+from importlib.machinery import PathFinder
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +34,7 @@ from rl_core.config import (
     to_dict,
     unknown_key_error,
 )
-from rl_core.interfaces import ValidatesConfig
+from rl_core.interfaces import ChecksModel, ValidatesConfig
 from rl_core.registry import ENGINES, GENERATION_BACKENDS
 
 logger = logging.getLogger(__name__)
@@ -146,6 +148,7 @@ def check_layout(cfg: GRPOConfig, engine_cfg: Any) -> None:
         layout = " x ".join(f"{k.upper()}={v}" for k, v in degrees.items())
         raise ConfigError(f"cluster.train_world_size={world} is not a multiple of {section}'s model-parallel size "
                           f"{layout} = {product}; change the parallel sizes in {section} or cluster.train_world_size")
+    check_batch_covers_dp(cfg, world // product)
     hf = json.loads((Path(cfg.policy.model_name) / "config.json").read_text())
     heads = hf.get("num_attention_heads")
     kv_heads = hf.get("num_key_value_heads") or heads
@@ -162,6 +165,16 @@ def check_layout(cfg: GRPOConfig, engine_cfg: Any) -> None:
     if ep > 1 and (not experts or experts % ep):
         raise ConfigError(f"{section}: expert parallel size {ep} must divide the model's experts "
                           f"({experts or 'none: a dense model'})")
+
+
+def check_batch_covers_dp(cfg: GRPOConfig, dp: int) -> None:
+    """Every DP rank gets a sequence of each optimizer step's batch: an empty shard is no TokenBatch, and the
+    run would stop at its first training step, after Ray, generation and the logprob pass."""
+    batch = cfg.policy.train_global_batch_size
+    if batch < dp:
+        raise ConfigError(f"policy.train_global_batch_size={batch} is smaller than the data-parallel size {dp} "
+                          f"(cluster.train_world_size / model-parallel size): a DP rank would have no sequence to "
+                          f"train on; raise it to at least {dp}")
 
 
 def check_cluster_address(address: str | None) -> None:
@@ -234,6 +247,7 @@ def resolve_model(cfg: GRPOConfig) -> GRPOConfig:
 
 def check_environment(cfg: GRPOConfig) -> None:
     """`env.*`: a registered environment whose constructor accepts `env.kwargs`, and prompts to train on."""
+    from rollout.datasets import prompt_file_problem
     from rollout.environments import environment_factory, environment_names, toy_prompts
     from rollout.rewards.toy import TOY_TASKS
 
@@ -242,8 +256,9 @@ def check_environment(cfg: GRPOConfig) -> None:
     check_kwargs(environment_factory(cfg.env.name), cfg.env.kwargs, "env.kwargs")
     for key in ("train_data", "val_data"):
         path = getattr(cfg.env, key)
-        if path is not None and not Path(path).is_file():
-            raise ConfigError(f"env.{key}={path!r} does not exist (a local .jsonl or .parquet file)")
+        problem = None if path is None else prompt_file_problem(path)
+        if problem:
+            raise ConfigError(f"env.{key}={path!r}: {problem}")
     if cfg.env.train_data is None or (cfg.env.val_data is None and cfg.grpo.val_every):
         if cfg.env.name not in TOY_TASKS:
             raise ConfigError(f"env.name={cfg.env.name!r} has no built-in prompts; set env.train_data and "
@@ -254,6 +269,39 @@ def check_environment(cfg: GRPOConfig) -> None:
             toy_prompts(cfg.env.name, 1, **cfg.env.prompt_kwargs)
         except ValueError as exc:
             raise ConfigError(f"env.prompt_kwargs: {exc}") from exc
+
+
+def check_engine_takes_model(engine_cls: type, model_dir: str) -> None:
+    """An engine that `ChecksModel` (the Megatron engine: the architectures ckpt-convert maps) accepts the
+    checkpoint; else its worker would refuse it after Ray and every worker started."""
+    if not isinstance(engine_cls, ChecksModel):
+        return
+    try:
+        engine_cls.check_model(model_dir)
+    except ValueError as exc:
+        raise ConfigError(f"policy.model_name={model_dir!r}: {exc}") from None
+
+
+def check_reward_function(cfg: GRPOConfig) -> None:
+    """`env.kwargs.fn` of the `function` environment is `pkg.module:function` whose top-level module the
+    reward workers will find (else a Ray actor fails at startup). Found, not imported: the user's code runs
+    only in the sandboxed workers. On a cluster the workers' Python is not the driver's: not checked."""
+    fn = cfg.env.kwargs.get("fn")
+    if cfg.env.name != "function" or not isinstance(fn, str) or cfg.cluster.address:
+        return
+    module, sep, attr = fn.partition(":")
+    if not sep or not module or not attr:
+        raise ConfigError(f"env.kwargs.fn={fn!r} is not an import path of the form 'pkg.module:function'")
+    if module.endswith(".py") or "/" in module:
+        stem = Path(module).with_suffix("").name
+        raise ConfigError(f"env.kwargs.fn={fn!r} is a file path; it takes an import path 'module:function': start "
+                          f"the run in {Path(module).parent or '.'} (or add it to PYTHONPATH) and set "
+                          f"env.kwargs.fn={stem}:{attr}")
+    top = module.split(".")[0]
+    launch_dir = os.getcwd()  # on the workers' import path (rollout._reward_worker)
+    if importlib.util.find_spec(top) is None and PathFinder.find_spec(top, [launch_dir]) is None:
+        raise ConfigError(f"env.kwargs.fn={fn!r}: no module {top!r} on the Python path or in {launch_dir}; "
+                          "install its package, or start the run in the directory that holds it")
 
 
 def preflight(cfg: GRPOConfig) -> GRPOConfig:
@@ -267,9 +315,11 @@ def preflight(cfg: GRPOConfig) -> GRPOConfig:
     check_truncated_sampling(cfg, backend_cls)
     check_backend_installed(cfg, backend_cls)
     check_environment(cfg)
+    check_reward_function(cfg)
     cfg = resolve_model(cfg)
     check_hardware(cfg.cluster, detect_hardware())
     check_model_dir(cfg.policy.model_name)
+    check_engine_takes_model(engine_cls, cfg.policy.model_name)
     if engine_cfg is not None:
         check_layout(cfg, engine_cfg)
     check_cluster_address(cfg.cluster.address)

@@ -67,6 +67,16 @@ def test_cross_field_checks(tmp_path):
         load_config(path, ["loss.importance.low=3.0"])
 
 
+def test_system_prompt_without_the_chat_template_is_refused(tmp_path):
+    """A plain prompt is the text itself: a system prompt would be dropped without a word."""
+    path = write(tmp_path / "c.yaml", "policy: {model_name: m}\n")
+    with pytest.raises(ConfigError, match=r"env.system_prompt .*env.use_chat_template=false does not apply"):
+        load_config(path, ["env.system_prompt=Be brief."])
+    assert load_config(path, ["env.system_prompt=Be brief.", "env.use_chat_template=true"]).env.system_prompt == "Be brief."
+    base = CONFIG_DIR / "gpu_base.yaml"  # sets a system prompt: dropping the template needs dropping it too
+    assert load_config(base, ["env.use_chat_template=false", "env.system_prompt="]).env.system_prompt is None
+
+
 def test_defaults_cycle_and_missing_file(tmp_path):
     write(tmp_path / "a.yaml", "defaults: b.yaml\n")
     write(tmp_path / "b.yaml", "defaults: a.yaml\n")

@@ -3,6 +3,9 @@ the separate prev-logprob pass runs."""
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 
 from grpo_app.config import load_config
@@ -19,6 +22,7 @@ from grpo_app.loop import (
 from grpo_app.prompts import PromptSource
 from rl_core.interfaces import Completion, RewardRequest, RewardResult
 from rollout.datasets import PromptExample
+from rollout.environments import RewardFailureError
 
 
 class StubWorkers:
@@ -139,3 +143,37 @@ def test_accuracy_is_logged_only_where_the_task_judges_correctness():
     partial = rollout_metrics(torch.tensor([0.5, 0.25]), [RewardResult(reward=0.5), RewardResult(reward=0.25)], completions, lengths,
                               PhaseTimer())
     assert "rollout/accuracy" not in partial and partial["rollout/reward_mean"] == 0.375  # repeat_char: no NaN logged
+
+
+class NonFiniteRewardWorkers(StubWorkers):
+    """An environment (not a reward function) that scores each group's first completion NaN or inf."""
+
+    def score(self, requests):
+        bad = [float("nan"), float("inf"), float("-inf")]
+        return [RewardResult(reward=bad[k // 3 % 3] if k % 3 == 0 else float(k % 3)) for k in range(len(requests))]
+
+
+def test_non_finite_reward_of_an_environment_scores_zero_as_a_failed_call():
+    """One NaN reward must not make its group's advantages NaN (and the step's loss, so the step is skipped):
+    it scores 0 and counts as an error. Reference: GRPO advantages in float64 over rewards with 0 in its place."""
+    run = make_run("grpo.num_generations_per_prompt=3", "policy.train_global_batch_size=9")
+    run.workers = NonFiniteRewardWorkers()
+    metrics = grpo_step(run, 0)
+    trained = run.workers.trained[0]
+    got = [float(adv[0]) for adv in trained.advantages]
+    rewards = [0.0, 1.0, 2.0]  # every group's: the non-finite first reward scored 0
+    mean = sum(rewards) / 3
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / 2)
+    assert got == pytest.approx([(r - mean) / (std + 1e-6) for r in rewards] * 3, rel=1e-6)
+    assert metrics["rollout/reward_errors"] == 3.0
+
+
+def test_an_environment_whose_rewards_are_all_non_finite_stops_the_run():
+    class AllNaN(StubWorkers):
+        def score(self, requests):
+            return [RewardResult(reward=float("nan")) for _ in requests]
+
+    run = make_run()
+    run.workers = AllNaN()
+    with pytest.raises(RewardFailureError, match="non-finite reward nan"):
+        grpo_step(run, 0)

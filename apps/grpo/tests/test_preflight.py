@@ -90,6 +90,13 @@ def test_missing_data_file(caplog):
     assert code == 2 and "does not exist" in text
 
 
+def test_data_directory_is_named_a_directory(caplog, tmp_path):
+    """A `datasets` save_to_disk directory exists: the error says it is a directory and how to write a file."""
+    code, text = run_main(caplog, f"env.train_data={tmp_path}")
+    assert code == 2 and f"env.train_data={str(tmp_path)!r}" in text and "is a directory" in text
+    assert ".to_parquet(path)" in text and "does not exist" not in text
+
+
 # ---- issue 17: each row of the hardening table that preflight owns --------------------------------------
 
 
@@ -164,6 +171,10 @@ def test_env_name_on_the_command_line_drops_the_files_env_kwargs(caplog, tmp_pat
       "cluster.train_world_size=3"], "pipeline parallel size 3 must divide the model's 2 layers"),
     (["policy.megatron_cfg.enabled=true", "policy.megatron_cfg.expert_model_parallel_size=2",
       "cluster.train_world_size=2"], "expert parallel size 2 must divide the model's experts (none: a dense model)"),
+    (["cluster.train_world_size=2", "policy.train_global_batch_size=1"],
+     "policy.train_global_batch_size=1 is smaller than the data-parallel size 2"),
+    (["policy.megatron_cfg.enabled=true", "cluster.train_world_size=2", "policy.train_global_batch_size=1"],
+     "policy.train_global_batch_size=1 is smaller than the data-parallel size 2"),
 ])
 def test_engine_layout_against_world_size(caplog, overrides, message):
     code, text = run_main(caplog, *overrides)
@@ -310,7 +321,7 @@ def test_prompts_longer_than_the_limit_are_dropped_with_a_warning(caplog):
 
 def test_prompt_limit_follows_max_model_len_and_an_empty_set_fails_before_ray(caplog):
     base = ["policy.model_name=x", "generation.max_new_tokens=6"]
-    assert load_config(None, base).prompt_token_limit is None
+    assert load_config(None, [*base, "policy.sequence_packing.enabled=false"]).prompt_token_limit is None
     assert load_config(None, [*base, "generation.backend_kwargs.max_model_len=10"]).prompt_token_limit == 4
     assert load_config(None, [*base, "generation.backend_kwargs.max_model_len=10", "env.max_prompt_tokens=7"]
                        ).prompt_token_limit == 7
@@ -318,6 +329,23 @@ def test_prompt_limit_follows_max_model_len_and_an_empty_set_fails_before_ray(ca
         load_config(None, [*base, "generation.backend_kwargs.max_model_len=6"])
     code, text = run_main(caplog, "env.max_prompt_tokens=1")
     assert code == 2 and "every train (repeat_char) prompt is longer than 1 tokens" in text, text
+
+
+def test_prompt_limit_leaves_room_for_a_full_completion_in_one_micro_batch(caplog):
+    """A prompt + max_new_tokens longer than a token budget fits no micro-batch (seqpack refuses it): the run
+    stopped at the step that sampled it. The limit is the smallest budget (train and logprob; dynamic
+    batching: rounded down to sequence_length_round, as seqpack prices a sequence) less max_new_tokens."""
+    base = ["policy.model_name=x", "generation.max_new_tokens=6"]
+    packing = [*base, "policy.sequence_packing.train_mb_tokens=40", "policy.sequence_packing.logprob_mb_tokens=30"]
+    assert load_config(None, packing).prompt_token_limit == 30 - 6
+    assert load_config(None, [*packing, "env.max_prompt_tokens=10"]).prompt_token_limit == 10
+    assert load_config(None, [*packing, "env.max_prompt_tokens=100"]).prompt_token_limit == 30 - 6
+    dynamic = [*base, "policy.sequence_packing.enabled=false", "policy.dynamic_batching.enabled=true",
+               "policy.dynamic_batching.train_mb_tokens=100", "policy.dynamic_batching.logprob_mb_tokens=200",
+               "policy.dynamic_batching.sequence_length_round=16"]
+    assert load_config(None, dynamic).prompt_token_limit == 96 - 6
+    code, text = run_main(caplog, "policy.sequence_packing.train_mb_tokens=8")
+    assert code == 2 and "every train (repeat_char) prompt is longer than 2 tokens" in text, text
 
 
 def test_a_relative_model_path_reaches_the_workers_absolute(tmp_path, monkeypatch):
@@ -331,3 +359,53 @@ def test_a_relative_model_path_reaches_the_workers_absolute(tmp_path, monkeypatc
                                            "policy.megatron_cfg.converted_checkpoint_dir=cache"]))
     assert cfg.policy.model_name == str(tmp_path / "model")
     assert cfg.policy.megatron_cfg["converted_checkpoint_dir"] == str(tmp_path / "cache")
+
+
+def test_user_reward_without_validation_needs_no_val_data(tmp_path):
+    """env.name=function has no built-in prompts; with grpo.val_every=0 the train file alone is enough."""
+    from grpo_app.build import load_inputs
+
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"prompt": "ab:1", "answer": "1111"}\n{"prompt": "cd:2", "answer": "2222"}\n')
+    cfg = load_config(None, [f"policy.model_name={cached_tiny_checkpoint('qwen2')}", "env.name=function",
+                             "env.kwargs.fn=rollout.rewards.toy:repeat_char_reward", f"env.train_data={train}",
+                             "grpo.val_every=0"])
+    inputs = load_inputs(preflight(cfg))
+    assert inputs.val == []
+    assert sorted(e.metadata["answer"] for e in inputs.train.items) == ["1111", "2222"]
+
+
+@pytest.mark.parametrize("fn, message", [
+    ("no_such_reward_module_xyz:score", "no module 'no_such_reward_module_xyz' on the Python path"),
+    ("my_rewards.score", "is not an import path of the form 'pkg.module:function'"),
+    ("/work/my_rewards.py:score", "is a file path; it takes an import path 'module:function': start the run in "
+                                  "/work (or add it to PYTHONPATH) and set env.kwargs.fn=my_rewards:score"),
+])
+def test_reward_function_that_cannot_import_fails_before_ray(caplog, tmp_path, fn, message):
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"prompt": "ab:1"}\n')
+    code, text = run_main(caplog, "env.name=function", f"env.kwargs.fn={fn}", f"env.train_data={train}",
+                          "grpo.val_every=0")
+    assert code == 2 and f"env.kwargs.fn={fn!r}" in text and message in text, text
+
+
+def test_tokenizer_larger_than_the_model_vocabulary_fails_before_ray(caplog, tmp_path):
+    """The char tokenizer has ids up to ~100; a model of 64 embeddings cannot take most prompts."""
+    from rl_core.testing.tiny_models import save_tiny_checkpoint
+
+    path = save_tiny_checkpoint(tmp_path / "small-vocab", "qwen2", vocab_size=64)
+    code, text = run_main(caplog, f"policy.model_name={path}")
+    assert code == 2 and "prompt 1 has token ids" in text and ">= the model's vocab_size 64" in text, text
+
+
+def test_architecture_the_megatron_engine_cannot_map_fails_before_ray(caplog, tmp_path):
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    from rl_core.testing.tiny_models import build_tokenizer
+
+    config = Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    build_tokenizer().save_pretrained(tmp_path)
+    code, text = run_main(caplog, f"policy.model_name={tmp_path}", "policy.megatron_cfg.enabled=true")
+    assert code == 2 and "architecture 'Gemma2ForCausalLM'" in text and "'Qwen3MoeForCausalLM'" in text, text

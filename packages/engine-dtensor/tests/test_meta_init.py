@@ -110,3 +110,18 @@ def test_checkpoint_without_a_tensor_names_it(tmp_path) -> None:
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"no tensor for \['model.norm.weight'\]"):
         materialize(build_meta_model(str(path), "sdpa"), str(path), torch.device("cpu"))
+
+
+def test_buffer_owning_embedding_keeps_its_loaded_weights(tmp_path) -> None:
+    """Gemma2's embedding owns the non-persistent `embed_scale` buffer: recomputing that buffer must not
+    re-draw the embedding's loaded weights."""
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    config = Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    model = build_meta_model(str(tmp_path), "eager")
+    materialize(model, str(tmp_path), torch.device("cpu"))
+    _assert_bitwise({n: t for n, t in [*model.named_parameters(), *model.named_buffers()]},
+                    _plain_state(str(tmp_path)))

@@ -32,6 +32,21 @@ def test_jsonl_and_parquet_give_the_same_examples(tmp_path, tokenizer):
     assert len(load_prompt_dataset(jsonl, tokenizer, limit=1)) == 1
 
 
+def test_json_file_holding_one_array_is_read(tmp_path, tokenizer):
+    """`json.dump(rows)` writes one JSON array: a `.json` file of it reads like JSONL, and a bad element is
+    named by its position."""
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(ROWS, indent=2))
+    examples = load_prompt_dataset(path, tokenizer)
+    for ex, row in zip(examples, ROWS, strict=True):
+        assert ex.prompt == row["prompt"]
+        assert ex.prompt_token_ids == [tokenizer.bos_token_id] + tokenizer.encode(row["prompt"], add_special_tokens=False)
+        assert ex.metadata == {"answer": row["answer"]}
+    path.write_text(json.dumps([ROWS[0], {"question": "b"}]))
+    with pytest.raises(ValueError, match=r"p\.json: record 2: no 'prompt' field \(found \['question'\]\)"):
+        load_prompt_dataset(path, tokenizer)
+
+
 def test_chat_template_renders_user_turn_and_system_prompt(tmp_path, tokenizer):
     rows = ROWS + [{"prompt": [{"role": "user", "content": "hi"}], "answer": "x"}]
     path = tmp_path / "chat.jsonl"
@@ -61,6 +76,18 @@ def test_missing_file_and_unknown_suffix(tmp_path, tokenizer):
     (tmp_path / "p.csv").write_text("prompt\na\n")
     with pytest.raises(ValueError, match="unsupported suffix '.csv'"):
         load_prompt_dataset(tmp_path / "p.csv", tokenizer)
+
+
+def test_empty_parquet_and_a_directory_are_named(tmp_path, tokenizer):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), tmp_path / "empty.parquet")
+    with pytest.raises(ValueError, match=r"empty\.parquet holds no records"):
+        load_prompt_dataset(tmp_path / "empty.parquet", tokenizer)
+    (tmp_path / "saved").mkdir()  # e.g. what datasets' save_to_disk writes
+    with pytest.raises(ValueError, match=r"saved is a directory; expected a local \.jsonl or \.parquet file"):
+        load_prompt_dataset(tmp_path / "saved", tokenizer)
 
 
 def test_toy_prompts_become_examples_with_flat_metadata(tokenizer):

@@ -63,6 +63,12 @@ def test_math_answers_equal_under_math_verify(math_env):
     assert math_env.last_metrics["reward/accuracy"] == pytest.approx(len(requests) / len(results))
 
 
+def test_math_reward_without_answer_names_the_fields_the_row_has():
+    """A dataset whose reference answer is under another name (e.g. "solution") is told which field to rename."""
+    with pytest.raises(KeyError, match=r"no 'answer'.*found \['level', 'solution'\].*name that field 'answer'"):
+        math_reward(prompt="1+1=", completion="\\boxed{2}", metadata={"solution": "2", "level": 1})
+
+
 def test_boxed_extraction_takes_the_last_balanced_box():
     assert last_boxed_answer("first \\boxed{1} then \\boxed{\\frac{3}{4}} end") == "\\frac{3}{4}"
     assert last_boxed_answer("\\boxed{{a}+{b}}") == "{a}+{b}"
@@ -220,6 +226,20 @@ def test_processes_a_reward_started_die_with_its_worker(tmp_path, monkeypatch):
         for token in tokens.values():
             for process in alive(token):
                 process.kill()
+
+
+def test_reward_module_in_the_launch_directory_imports(tmp_path, monkeypatch):
+    """`my_reward:score` beside where the run started imports even when the caller is a script, whose
+    sys.path holds the script's directory and not the working directory (the trainer with env.num_workers=0)."""
+    (tmp_path / "launch_dir_reward.py").write_text("def score(*, prompt, completion, metadata):\n"
+                                                    "    return 0.25 * len(completion)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    env = create_environment("function", fn="launch_dir_reward:score", num_workers=1)
+    try:
+        assert [r.reward for r in env.score([req("ab"), req("abcd")])] == [0.5, 1.0]
+    finally:
+        env.close()
 
 
 def test_bad_names_are_clear_errors():

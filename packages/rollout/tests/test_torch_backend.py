@@ -147,6 +147,24 @@ def test_update_weights_equals_backend_built_from_new_weights(tiny_ckpt, tiny_ck
     assert [c.token_ids for c in after] != [c.token_ids for c in before]  # the refit changed something
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_update_weights_takes_checkpoint_names_of_fused_moe_weights(arch, model_cache):
+    """A refit sends checkpoint names (per-expert tensors; Mixtral's `block_sparse_moe`), which transformers
+    fuses / renames in memory: the backend ends with exactly the weights `from_pretrained` loads."""
+    old = TorchGenerationBackend(str(cached_tiny_checkpoint(arch, seed=1, cache_dir=model_cache)))
+    new_path = cached_tiny_checkpoint(arch, seed=2, cache_dir=model_cache)
+    stored = list(load_file(new_path / "model.safetensors").items())
+    assert any(".experts.0." in name for name, _ in stored)  # per-expert on disk
+    old.update_weights(reversed(stored))  # any order: a fused weight's pieces may arrive apart
+    expected = AutoModelForCausalLM.from_pretrained(new_path, dtype=torch.float32).state_dict()
+    got = old.model.state_dict()
+    assert got.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
+    with pytest.raises(ValueError, match="parts of fused weights were not sent"):
+        old.update_weights([(n, t) for n, t in stored if ".experts.0.up_proj" not in n and ".experts.0.w3" not in n])
+
+
 def test_update_weights_rejects_unknown_names_and_shapes(tiny_ckpt):
     backend = TorchGenerationBackend(str(tiny_ckpt))
     with pytest.raises(ValueError, match="model.layers.9.mlp.up_proj.weight.*not a weight"):

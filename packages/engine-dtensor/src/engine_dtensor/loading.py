@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from engine_dtensor.parallelize import hf_name
+from rl_core.hf_layout import CheckpointLayout
 
 logger = logging.getLogger(__name__)
 
@@ -58,11 +59,11 @@ def materialize(model: nn.Module, path: str, device: torch.device) -> None:
     """Give a parallelised meta model storage on `device` and load checkpoint `path` into its shards."""
     _to_empty_keeping_ties(model, device)
     targets = _load_targets(model)
-    fused = _FusedParams(model, targets)
+    layout = CheckpointLayout(model, targets)
     loaded: set[str] = set()
     with torch.no_grad():
         for file in safetensors_files(path):
-            loaded |= _load_file(file, targets, fused)
+            loaded |= _load_file(file, targets, layout)
         missing = sorted(set(targets) - loaded)
         if missing:
             raise ValueError(f"{path}: the checkpoint has no tensor for {missing[:5]}"
@@ -93,44 +94,7 @@ def _load_targets(model: nn.Module) -> dict[str, Tensor]:
     return targets
 
 
-class _FusedParams:
-    """Parameters that transformers fuses at load time (MoE experts: one (E, ...) tensor from E files'
-    tensors): which on-disk tensors make each one, and the pieces read so far (one fused tensor at a time
-    is assembled; its pieces may span files)."""
-
-    def __init__(self, model: nn.Module, targets: dict[str, Tensor]) -> None:
-        self.model, self.targets = model, targets
-        self.target_of: dict[str, str] = {}  # on-disk name -> fused parameter name
-        self.pending: dict[str, tuple[Tensor, dict[str, Tensor]]] = {}  # name -> (full, unread pieces' indices)
-        try:  # transformers >= 5: the inverse of the load-time conversion, the one save_pretrained applies
-            from transformers.core_model_loading import revert_weight_conversion
-        except ImportError:
-            return
-        self.revert = revert_weight_conversion
-        for name, target in targets.items():
-            pieces = self.revert(model, {name: torch.empty(target.shape, device="meta")})
-            if set(pieces) != {name}:
-                self.target_of.update(dict.fromkeys(pieces, name))
-
-    def add(self, key: str, piece: Tensor) -> str | None:
-        """Place one on-disk tensor; the fused parameter's name once all its pieces are in, else None."""
-        name = self.target_of[key]
-        if name not in self.pending:
-            target = self.targets[name]
-            # where each piece's elements go: the reverse conversion applied to the flat positions
-            positions = torch.arange(target.numel()).view(target.shape)
-            index = self.revert(self.model, {name: positions})
-            self.pending[name] = (torch.empty(target.shape, dtype=target.dtype), index)
-        full, index = self.pending[name]
-        full.view(-1)[index.pop(key).reshape(-1)] = piece.reshape(-1).to(full.dtype)
-        if index:
-            return None
-        _copy_into_shard(self.targets[name], full)
-        del self.pending[name]
-        return name
-
-
-def _load_file(file: Path, targets: dict[str, Tensor], fused: _FusedParams) -> set[str]:
+def _load_file(file: Path, targets: dict[str, Tensor], layout: CheckpointLayout) -> set[str]:
     """Copy every tensor of one safetensors file into its target's local shard; returns the names done."""
     from safetensors import safe_open
 
@@ -138,9 +102,12 @@ def _load_file(file: Path, targets: dict[str, Tensor], fused: _FusedParams) -> s
     with safe_open(str(file), framework="pt", device="cpu") as reader:
         for key in reader.keys():
             target = targets.get(key)
-            if target is None and key in fused.target_of:
-                finished = fused.add(key, reader.get_tensor(key))
-                done |= {finished} if finished else set()
+            if target is None and layout.owner(key) is not None:  # a piece of a fused parameter (MoE experts)
+                finished = layout.add(key, reader.get_tensor(key))
+                if finished is not None:
+                    name, full = finished
+                    _copy_into_shard(targets[name], full)
+                    done.add(name)
                 continue
             if target is None:
                 if key.startswith("lm_head.") and "lm_head.weight" not in targets:
@@ -193,9 +160,19 @@ def _init_non_persistent_buffers(model: nn.Module) -> None:
                              "initialised on the meta device by the DTensor engine")
         buf.fill_(float("nan"))
     for module in {id(m): m for _, m, _ in buffers}.values():
-        model._init_weights(module)
+        _init_weights_keeping_params(model, module)
     for name, module, attr in buffers:
         if torch.isnan(getattr(module, attr)).any():
             raise ValueError(f"non-persistent buffer {name!r} ({type(module).__name__}) is not recomputed by "
                              "transformers' _init_weights; the DTensor engine cannot initialise this model "
                              "on the meta device")
+
+
+def _init_weights_keeping_params(model: nn.Module, module: nn.Module) -> None:
+    """`model._init_weights(module)` for the module's buffers only: it also re-draws the module's own
+    parameters, which already hold the checkpoint (Gemma's embedding owns the `embed_scale` buffer, so its
+    loaded weights would be replaced by random ones)."""
+    loaded = [(param, param.detach().clone()) for param in module.parameters()]
+    model._init_weights(module)
+    for param, value in loaded:
+        param.detach().copy_(value)

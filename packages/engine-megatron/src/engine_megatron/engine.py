@@ -69,6 +69,14 @@ class MegatronEngine(TrainingEngine):
         """Check `policy.megatron_cfg` (incl. TransformerConfig keys) without building anything."""
         return parse_megatron_config(policy.engine_options, policy.engine_options_key)
 
+    @classmethod
+    def check_model(cls, model_dir: str) -> None:
+        """ValueError naming the architecture and the supported ones if ckpt-convert cannot map `model_dir`
+        (the trainer's preflight calls it before any worker starts)."""
+        from ckpt_convert.mcore_model import load_hf_config
+
+        load_hf_config(model_dir, source="policy.model_name")
+
     def __init__(self, policy: PolicyConfig) -> None:
         from ckpt_convert.mcore_model import load_hf_config, mcore_model_config
 

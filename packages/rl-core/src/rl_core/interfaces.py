@@ -99,6 +99,15 @@ class ValidatesConfig(Protocol):
         """Parse and check `policy`'s engine section; raise ConfigError naming the key on bad input."""
 
 
+@runtime_checkable
+class ChecksModel(Protocol):
+    """Optional for engine classes: refuse a checkpoint the engine cannot train before any worker starts."""
+
+    @classmethod
+    def check_model(cls, model_dir: str) -> None:
+        """Raise ValueError naming the architecture and the supported ones if `model_dir` is not one."""
+
+
 @dataclass(kw_only=True)
 class SamplingParams:
     n: int = 1

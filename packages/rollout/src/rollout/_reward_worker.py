@@ -62,9 +62,14 @@ def call_reward(fn: Any, kwargs: dict[str, Any], prompt: str, completion: str, m
         return ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}")
 
 
-def worker_main(conn: Any, fn_path: str, kwargs: dict[str, Any], scratch: str, memory_limit_mb: int | None) -> None:
+def worker_main(conn: Any, fn_path: str, kwargs: dict[str, Any], scratch: str, memory_limit_mb: int | None,
+                launch_dir: str) -> None:
     """Confine this process (rollout._sandbox), import the function, report readiness and the sandbox
-    layers that hold, then answer (task_id, prompt, completion, metadata) forever."""
+    layers that hold, then answer (task_id, prompt, completion, metadata) forever.
+
+    `launch_dir` (the pool creator's working directory) is on the import path, so `my_reward:score` next to
+    where the run was started imports whether the caller is a script (whose sys.path lacks it), an
+    interpreter or a Ray actor (whose sys.path has it)."""
     import os
     import sys
 
@@ -73,7 +78,10 @@ def worker_main(conn: Any, fn_path: str, kwargs: dict[str, Any], scratch: str, m
     # A session (process group) of its own: the pool kills the whole group, so processes the reward
     # function starts die with the worker instead of outliving it as orphans.
     os.setsid()
-    sys.path[:] = [os.path.abspath(p) for p in sys.path]  # '' (the launch directory) must survive the chdir
+    # absolute before the chdir into the scratch directory ('' would then name the scratch directory)
+    sys.path[:] = [os.path.abspath(p) for p in sys.path]
+    if launch_dir not in sys.path:
+        sys.path.append(launch_dir)  # last: the launch directory's files never shadow installed modules
     try:
         held = confine(scratch, memory_limit_mb)
         fn = resolve_function(fn_path)

@@ -1,4 +1,5 @@
-"""Prompt datasets: local JSONL / Parquet files read through Hugging Face `datasets` (never downloaded).
+"""Prompt datasets: local JSONL (or a .json array) / Parquet files read through Hugging Face `datasets`
+(never downloaded).
 
 Each row holds a prompt under `prompt_key` (a string, or a list of chat messages {"role", "content"});
 every other column becomes the example's metadata (e.g. "answer" for the math environment). With
@@ -31,7 +32,16 @@ class PromptExample:
 
 
 def _check_jsonl(path: Path, prompt_key: str) -> int:
-    """Validate every line of a JSONL file; returns the number of records."""
+    """Validate every line of a JSONL file (or every element of a .json file holding one JSON array);
+    returns the number of records."""
+    if _holds_json_array(path):
+        try:
+            records = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{exc.lineno}: malformed JSON ({exc.msg} at column {exc.colno})") from None
+        for number, record in enumerate(records, start=1):
+            _check_record(record, prompt_key, f"{path}: record {number}")
+        return len(records)
     count = 0
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
@@ -41,16 +51,29 @@ def _check_jsonl(path: Path, prompt_key: str) -> int:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{lineno}: malformed JSON ({exc.msg} at column {exc.colno})") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object per line, got {type(record).__name__}")
-            if prompt_key not in record:
-                raise ValueError(f"{path}:{lineno}: no {prompt_key!r} field (found {sorted(record)}); set "
-                                 f"prompt_key to the column that holds the prompt")
-            problem = prompt_problem(record[prompt_key])
-            if problem:
-                raise ValueError(f"{path}:{lineno}: field {prompt_key!r} {problem}")
+            _check_record(record, prompt_key, f"{path}:{lineno}")
             count += 1
     return count
+
+
+def _holds_json_array(path: Path) -> bool:
+    """A .json file whose content is one JSON array of records (what `json.dump(list)` writes), not JSONL."""
+    if path.suffix != ".json":
+        return False
+    with path.open(encoding="utf-8") as f:
+        head = f.read(4096).lstrip()
+    return head.startswith("[")
+
+
+def _check_record(record: Any, prompt_key: str, where: str) -> None:
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a JSON object per record, got {type(record).__name__}")
+    if prompt_key not in record:
+        raise ValueError(f"{where}: no {prompt_key!r} field (found {sorted(record)}); set "
+                         f"prompt_key to the column that holds the prompt")
+    problem = prompt_problem(record[prompt_key])
+    if problem:
+        raise ValueError(f"{where}: field {prompt_key!r} {problem}")
 
 
 def prompt_problem(prompt: Any) -> str | None:
@@ -65,16 +88,32 @@ def prompt_problem(prompt: Any) -> str | None:
             'messages {"role": ..., "content": ...}')
 
 
+def prompt_file_problem(path: str | Path) -> str | None:
+    """Why `path` is not a prompt file this module reads (missing, a directory); None if it is a file."""
+    path = Path(path)
+    if path.is_dir():  # e.g. a `datasets` save_to_disk directory
+        return (f"prompt dataset {path} is a directory; expected a local .jsonl or .parquet file (write a "
+                "datasets.Dataset with .to_json(path) or .to_parquet(path))")
+    if not path.is_file():
+        return f"prompt dataset {path} does not exist (expected a local .jsonl or .parquet file)"
+    return None
+
+
 def _read_rows(path: Path, prompt_key: str) -> Any:
     import datasets
 
-    if not path.is_file():
-        raise ValueError(f"prompt dataset {path} does not exist (expected a local .jsonl or .parquet file)")
+    problem = prompt_file_problem(path)
+    if problem:
+        raise ValueError(problem)
     if path.suffix in JSONL_SUFFIXES:
         if _check_jsonl(path, prompt_key) == 0:
             raise ValueError(f"prompt dataset {path} holds no records")
         return datasets.Dataset.from_json(str(path), keep_in_memory=True)
     if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        if pq.ParquetFile(path).metadata.num_rows == 0:  # datasets fails on it with no reason given
+            raise ValueError(f"prompt dataset {path} holds no records")
         rows = datasets.Dataset.from_parquet(str(path), keep_in_memory=True)
         if prompt_key not in rows.column_names:
             raise ValueError(f"{path}: no {prompt_key!r} column (found {rows.column_names}); set prompt_key")

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rl_core.hf_layout import CheckpointLayout
 from rl_core.interfaces import Completion, SamplingParams
 from rollout.kv_cache import make_cache
 from rollout.paged_decoder import DEFAULT_BUCKETS, PagedDecoder
@@ -270,8 +271,11 @@ class TorchGenerationBackend:
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the model in place.
 
-        Strict: an unknown name or a shape mismatch raises ValueError. Tensors are checked and copied one
-        at a time (streaming), so after an error the weights are partly updated: refit again.
+        Names are the checkpoint's (what `export_hf_weights()` yields); where transformers converts weights
+        at load time (MoE experts fused into one tensor, renamed modules) the pieces are assembled into the
+        in-memory parameter (rl_core.hf_layout). Strict: an unknown name, a shape mismatch or a fused
+        parameter left incomplete raises ValueError. Tensors are checked and copied one at a time
+        (streaming), so after an error the weights are partly updated: refit again.
         """
         if self._sleep_level == 2:
             raise RuntimeError("update_weights called after sleep(level=2) discarded the weights; call wake() first")
@@ -279,24 +283,33 @@ class TorchGenerationBackend:
             self.model.to(self.device)  # stay on the device instead of going through pageable host memory
         targets = dict(self.model.named_parameters(remove_duplicate=False))
         targets.update(self.model.named_buffers(remove_duplicate=False))
+        layout: CheckpointLayout | None = None  # built on the first converted name only: dense models need none
         count = 0
         with torch.no_grad():
             for name, tensor in named_tensors:
-                target = targets.get(name)
-                if target is None:
-                    example = next(iter(targets))
-                    raise ValueError(
-                        f"update_weights: {name!r} is not a weight of {type(self.model).__name__} "
-                        f"({self.model_path}); expected Hugging Face names such as {example!r}"
-                    )
-                if tuple(tensor.shape) != tuple(target.shape):
-                    raise ValueError(
-                        f"update_weights: {name!r} has shape {tuple(tensor.shape)}; the model expects "
-                        f"{tuple(target.shape)}"
-                    )
-                target.copy_(tensor.detach().to(device=target.device, dtype=target.dtype))
+                if name not in targets:
+                    layout = layout or CheckpointLayout(self.model, targets)
+                    if layout.owner(name) is None:
+                        raise ValueError(
+                            f"update_weights: {name!r} is not a weight of {type(self.model).__name__} "
+                            f"({self.model_path}); expected Hugging Face names such as {next(iter(targets))!r}"
+                        )
+                    finished = layout.add(name, tensor.detach())
+                    if finished is None:
+                        continue
+                    name, tensor = finished
+                self._copy_weight(targets[name], name, tensor)
                 count += 1
+        if layout is not None and layout.incomplete():
+            raise ValueError(f"update_weights: parts of fused weights were not sent: {layout.incomplete()}")
         logger.debug("update_weights: loaded %d tensors", count)
+
+    @staticmethod
+    def _copy_weight(target: Tensor, name: str, tensor: Tensor) -> None:
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}; the model expects "
+                             f"{tuple(target.shape)}")
+        target.copy_(tensor.detach().to(device=target.device, dtype=target.dtype))
 
     def sleep(self, level: int = 1) -> None:
         """Release memory: level 1 moves weights to host memory (no-op on CPU); level 2 discards them.

@@ -11,6 +11,7 @@ that raises, returns anything else (None, NaN, a string), times out or kills its
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,7 +47,15 @@ def check_reward_failures(results: Sequence[RewardResult], max_failed_fraction: 
     if failed and len(failed) >= max_failed_fraction * len(results):
         raise RewardFailureError(
             f"{len(failed)} of {len(results)} reward calls failed (>= {key}={max_failed_fraction}); first: "
-            f"{failed[0].error.splitlines()[0][:300]}. Fix the reward function, or raise {key} to train on")
+            f"{failed[0].error.splitlines()[0][:300]}. Fix the reward function (or the prompt fields it reads), "
+            f"or raise {key} to train on")
+
+
+def finite_rewards(results: Sequence[RewardResult]) -> list[RewardResult]:
+    """`results` with every NaN or infinite reward scored 0 as a failed call, as FunctionEnvironment scores a
+    reward function's: any environment's NaN would make its group's advantages, and so the step's loss, NaN."""
+    return [r if math.isfinite(r.reward) else RewardResult(reward=0.0, error=f"non-finite reward {r.reward!r}")
+            for r in results]
 
 
 def environment_factory(name: str) -> Callable[..., Environment]:

@@ -63,8 +63,8 @@ class _Worker:
                  pool_dir: str) -> None:
         self.scratch = tempfile.mkdtemp(prefix="worker-", dir=pool_dir)
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=worker_main, args=(child, fn_path, kwargs, self.scratch, memory_limit_mb),
-                                   daemon=True)
+        self.process = ctx.Process(target=worker_main, daemon=True,
+                                   args=(child, fn_path, kwargs, self.scratch, memory_limit_mb, os.getcwd()))
         self.process.start()
         child.close()
         self.fn_path = fn_path

@@ -47,7 +47,9 @@ def math_reward(*, prompt: str, completion: str, metadata: dict[str, Any], requi
                 **_: Any) -> dict[str, Any]:
     """1.0 if the completion's answer equals metadata['answer'] under math-verify, else 0.0."""
     if "answer" not in metadata:
-        raise KeyError("math environment: the prompt's metadata has no 'answer' (the reference answer)")
+        raise KeyError(f"math environment: the prompt's metadata has no 'answer' (the reference answer; the "
+                       f"dataset row's other fields are the metadata, found {sorted(metadata)}): name that "
+                       "field 'answer' in the prompt file")
     gold = parse(str(metadata["answer"]))
     if not gold:
         gold = parse(f"${metadata['answer']}$")
