@@ -76,3 +76,31 @@ def test_entropy_metric_matches_hf(ckpt, world: int) -> None:
             entropy = -(logp.exp() * logp).sum(-1)  # float64 reference
             total += float((entropy * mask[1:].double()).sum())  # entropy[t] belongs to token t + 1
     assert got == pytest.approx(total / batch.num_valid_tokens(), rel=1e-6)
+
+
+@pytest.fixture(scope="module")
+def softcapped(tmp_path_factory) -> str:
+    from rl_core.testing.tiny_models import SOFTCAPPED_GEMMA2, save_tiny_checkpoint
+
+    return str(save_tiny_checkpoint(tmp_path_factory.mktemp("m") / "gemma2", "gemma2", vocab_size=VOCAB,
+                                    **SOFTCAPPED_GEMMA2))
+
+
+def test_attention_softcap_is_applied(softcapped) -> None:
+    """sdpa and the packed kernels ignore Gemma 2's attention soft-cap: `auto` takes eager for such a model
+    (before: sdpa_segments, logprobs off HF's eager forward), and naming another is an error."""
+    from transformers import AutoModelForCausalLM
+
+    from engine_dtensor.engine import resolve_attn_implementation
+
+    (got,) = run_distributed(_engine_logprobs, 1, args=(softcapped, {"logprob_batch_size": 1}))
+    model = AutoModelForCausalLM.from_pretrained(softcapped, dtype=torch.float32, attn_implementation="eager")
+    uncapped = AutoModelForCausalLM.from_pretrained(softcapped, dtype=torch.float32, attn_implementation="sdpa")
+    refs = []
+    for hf in (model, uncapped):
+        with torch.no_grad():
+            refs.append([torch.cat([torch.zeros(1), torch.log_softmax(hf(input_ids=ids[None]).logits[0, :-1], -1)
+                                    .gather(-1, ids[1:, None])[:, 0]]) for ids in random_token_batch(VOCAB, LENGTHS).input_ids])
+    assert max_abs_diff(got, refs[0]) <= 1e-5 < 1e-2 < max_abs_diff(refs[0], refs[1])  # the cap matters here
+    with pytest.raises(ValueError, match=r"attn_implementation='sdpa_segments' ignores the model's attention logit"):
+        resolve_attn_implementation("sdpa_segments", torch.device("cpu"), "float32", softcap=2.0)

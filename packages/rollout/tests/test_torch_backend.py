@@ -293,6 +293,20 @@ def test_vllm_refit_checks_names_and_shapes_against_the_checkpoint(tiny_ckpt):
         list(check_named_tensors([("lm_head.weight", torch.zeros(2, 2))], shapes, "ckpt"))
 
 
+def test_attention_softcap_needs_eager_dense_decoding(tmp_path, prompts, hf_ref):
+    """sdpa, rollout_sdpa and the paged kernels ignore Gemma 2's attention soft-cap: such a model is refused
+    unless eager attention on the dense path, which then greedy-decodes what HF's eager model does."""
+    from rl_core.testing.tiny_models import SOFTCAPPED_GEMMA2, save_tiny_checkpoint
+
+    path = save_tiny_checkpoint(tmp_path / "gemma2", "gemma2", **SOFTCAPPED_GEMMA2)
+    with pytest.raises(ValueError, match=r"set generation.backend_kwargs.attn_implementation=eager and .*decode=dense"):
+        TorchGenerationBackend(str(path))
+    backend = TorchGenerationBackend(str(path), attn_implementation="eager", decode="dense")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    out = backend.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=8))
+    assert [c.token_ids for c in out] == [hf_ref.greedy(hf, p, 8) for p in prompts]
+
+
 @pytest.mark.gpu
 def test_greedy_equals_hf_generate_on_cuda(tiny_ckpt, prompts, hf_ref):
     backend = TorchGenerationBackend(str(tiny_ckpt), device="cuda")

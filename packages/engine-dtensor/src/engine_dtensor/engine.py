@@ -26,7 +26,7 @@ from engine_dtensor import checkpoint
 from engine_dtensor.attention import SEGMENT_SDPA
 from engine_dtensor.config import DTensorConfig
 from engine_dtensor.forward import ModelInputs, build_packed_inputs, build_padded_inputs, forward_logprobs
-from engine_dtensor.loading import build_meta_model, materialize
+from engine_dtensor.loading import attention_softcap, build_meta_model, materialize
 from engine_dtensor.optim import build_optimizer, build_scheduler, clip_grads_
 from engine_dtensor.parallel_dims import ParallelDims
 from engine_dtensor.parallelize import parallelize
@@ -41,11 +41,21 @@ from rl_core.registry import register_engine
 logger = logging.getLogger(__name__)
 
 
-def resolve_attn_implementation(requested: str, device: torch.device, precision: str) -> str:
+def resolve_attn_implementation(requested: str, device: torch.device, precision: str, *,
+                                softcap: float | None = None) -> str:
     """`auto` is sdpa_segments: packed rows through one varlen kernel call per layer (flash-attn's when
     installed, else torch's; per-sequence sdpa on the CPU), padded rows through HF's sdpa. HF's
     flash_attention_2 only when asked for: it finds packed boundaries, and unpads padded rows, with a host
-    read of a GPU tensor in every layer."""
+    read of a GPU tensor in every layer. A model that soft-caps its attention logits (`softcap`, Gemma 2)
+    gets eager, the one implementation that applies the cap (as transformers itself chooses for it)."""
+    if softcap is not None:
+        if requested not in ("auto", "eager"):
+            raise ValueError(
+                f"policy.dtensor_cfg.attn_implementation={requested!r} ignores the model's attention logit soft-cap "
+                f"(attn_logit_softcapping={softcap}): it would train another model than the checkpoint's; set it "
+                "to 'eager' or 'auto'")
+        logger.info("attention: eager (the model soft-caps its attention logits at %s)", softcap)
+        return "eager"
     has_flash = importlib.util.find_spec("flash_attn") is not None
     if requested == "flash_attention_2":
         if not (has_flash and device.type == "cuda"):
@@ -87,7 +97,8 @@ class DTensorEngine(TrainingEngine):
         # sequence parallel splits the sequence dim over TP ranks: lengths must divide evenly
         self.seq_multiple = self.parallel_dims.tp if self.cfg.sequence_parallel else 1
         self.attn_impl = resolve_attn_implementation(
-            self.cfg.attn_implementation, self.device, self.cfg.precision
+            self.cfg.attn_implementation, self.device, self.cfg.precision,
+            softcap=attention_softcap(policy.model_name),
         )
         # torchtitan's order: shapes on the meta device, shard, then storage and weights for the shards only
         # (fp32 master weights; the compute dtype is FSDP's job), so no rank ever holds the whole model.

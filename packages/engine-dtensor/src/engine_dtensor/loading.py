@@ -30,6 +30,13 @@ def check_hf_dir(path: str) -> Path:
     return Path(path)
 
 
+def attention_softcap(path: str) -> float | None:
+    """The checkpoint's attention logit soft-cap (Gemma 2's `attn_logit_softcapping`), None if it has none."""
+    from transformers import AutoConfig
+
+    return getattr(AutoConfig.from_pretrained(str(check_hf_dir(path))), "attn_logit_softcapping", None)
+
+
 def build_meta_model(path: str, attn_impl: str) -> nn.Module:
     """The HF causal LM of checkpoint `path` on the meta device (shapes only), fp32 parameters."""
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -122,6 +122,9 @@ class TorchGenerationBackend:
         )
         self.model.to(self.device).eval().requires_grad_(False)
         config = self.model.config
+        if decode == "auto":
+            decode = "paged" if self.device.type == "cuda" else "dense"
+        _check_softcap_support(config, attn_implementation, decode)
         if eos_token_ids is None:
             gen_cfg = getattr(self.model, "generation_config", None)
             eos_token_ids = _as_id_list(getattr(config, "eos_token_id", None))
@@ -131,8 +134,6 @@ class TorchGenerationBackend:
         self.pad_token_id = int(pad) if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self._sleep_level = 0
-        if decode == "auto":
-            decode = "paged" if self.device.type == "cuda" else "dense"
         self.decode = decode
         self._paged_options = dict(block_size=block_size, buckets=batch_buckets, cuda_graphs=cuda_graphs)
         self.kv_cache_tokens = kv_cache_tokens
@@ -343,3 +344,14 @@ class TorchGenerationBackend:
         if self.decoder is not None and self.decoder.model is not self.model:
             self.decoder = PagedDecoder(self.model, **self._paged_options)
         self._sleep_level = 0
+
+
+def _check_softcap_support(config: Any, attn_implementation: str, decode: str) -> None:
+    """Only transformers' eager attention, on the dense path, applies an attention logit soft-cap (Gemma 2);
+    any other would sample from another model than the checkpoint's."""
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None and (attn_implementation != "eager" or decode != "dense"):
+        raise ValueError(
+            f"the model soft-caps its attention logits (attn_logit_softcapping={softcap}), which only eager attention "
+            f"on the dense decode path applies; got attn_implementation={attn_implementation!r}, decode={decode!r}: set "
+            "generation.backend_kwargs.attn_implementation=eager and generation.backend_kwargs.decode=dense")

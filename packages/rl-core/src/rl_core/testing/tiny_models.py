@@ -24,6 +24,9 @@ SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
 BASE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6)
 MOE = dict(num_local_experts=4, num_experts_per_tok=2)
+# Gemma 2 (not in ARCHITECTURES: not every package supports it) with an attention logit soft-cap that binds:
+# weights drawn wide, so raw attention scores reach several times the cap; what the soft-cap checks run on.
+SOFTCAPPED_GEMMA2 = dict(head_dim=32, initializer_range=0.5, attn_logit_softcapping=2.0, final_logit_softcapping=None)
 
 
 def _vocab() -> list[str]:
@@ -60,6 +63,7 @@ def tiny_config(arch: str, vocab_size: int = 128, **overrides: Any) -> Any:
         "mistral": transformers.MistralConfig,
         "mixtral": transformers.MixtralConfig,
         "qwen3_moe": transformers.Qwen3MoeConfig,
+        "gemma2": transformers.Gemma2Config,
     }
     if arch not in classes:
         raise ValueError(f"tiny model architecture {arch!r} is not known; choose one of {list(ARCHITECTURES)}")
