@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,9 @@ logger = logging.getLogger(__name__)
 
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 CONFIGURED_SETTINGS = ("betas", "eps", "momentum")
+# param-group keys the scheduler takes from policy.optimizer (the same in every group of this engine), which
+# megatron-core >= 0.19 also uses to pair saved groups with the current ones
+SCHEDULED_GROUP_KEYS = ("max_lr", "min_lr", "start_wd", "end_wd")
 
 
 def _sharded_state(model: Any, optimizer: Any, scheduler: Any, *, is_loading: bool) -> dict[str, Any]:
@@ -75,6 +78,32 @@ def _use_forked_results_queue() -> None:
 def _configured_settings(optimizer: Any) -> list[dict[str, Any]]:
     """The param groups' settings that come from policy.optimizer alone (the scheduler sets lr and weight decay)."""
     return [{key: group[key] for key in CONFIGURED_SETTINGS if key in group} for group in optimizer.param_groups]
+
+
+def _pair_saved_groups_with_the_config(saved: Any, optimizer: Any) -> None:
+    """megatron-core >= 0.19 pairs each saved param group with the current one whose identifying keys it
+    shares, the scheduled lr and weight decay among them: after a change of policy.optimizer none paired
+    (KeyError in load_state_dict). The saved groups take the current values of those keys, which the config
+    sets alike for every group; 0.16 pairs groups by position and reads none of them."""
+    current = {key: {group.get(key) for group in optimizer.param_groups} for key in SCHEDULED_GROUP_KEYS}
+    uniform = {key: values.pop() for key, values in current.items() if len(values) == 1}
+    for groups in _saved_param_groups(saved):
+        for group in groups:
+            group.update({key: value for key, value in uniform.items() if key in group})
+
+
+def _saved_param_groups(state: Any) -> Iterator[list[dict[str, Any]]]:
+    """Every `param_groups` list in a loaded optimizer state (one per optimizer of a ChainedOptimizer, whose
+    state nests them by index)."""
+    if isinstance(state, dict):
+        if "param_groups" in state:
+            yield state["param_groups"]
+            return
+        for value in state.values():
+            yield from _saved_param_groups(value)
+    elif isinstance(state, list):
+        for value in state:
+            yield from _saved_param_groups(value)
 
 
 def _restore_configured_settings(path: str, optimizer: Any, configured: list[dict[str, Any]]) -> None:
@@ -158,6 +187,7 @@ def load(path: str, model: Any, optimizer: Any, scheduler: Any) -> None:
     if missing or unexpected:
         raise ValueError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
     configured = _configured_settings(optimizer)
+    _pair_saved_groups_with_the_config(state["optimizer"], optimizer)
     with torch.no_grad(), device_context():
         optimizer.load_state_dict(state["optimizer"])
     _restore_configured_settings(path, optimizer, configured)
