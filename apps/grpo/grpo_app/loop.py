@@ -35,8 +35,14 @@ logger = logging.getLogger(__name__)
 
 
 class PhaseTimer:
+    """Seconds per phase of one step, and what its rollouts produced over every dynamic sampling round,
+    dropped groups included: the tokens (rollout/tokens_per_s divides them by the time of all rounds) and
+    the failed reward calls (a prompt whose calls all fail scores 0 throughout: a zero-variance group, dropped)."""
+
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self.generated_tokens = 0
+        self.reward_errors = 0
 
     @contextlib.contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
@@ -82,11 +88,13 @@ def rollout(run: Run, prompts: list[PromptExample], params: SamplingParams, time
     with timer("generate"):
         for part in run.workers.generate_parts([p.prompt_token_ids for p in prompts], params):
             scoring.append((part, run.workers.submit_score(requests(part))))
+            timer.generated_tokens += sum(len(c.token_ids) for c in part)
     with timer("reward"):
         scoring.sort(key=lambda item: item[0][0].prompt_index)
         completions = [c for part, _ in scoring for c in part]
         # an environment's NaN / inf reward counts as a failed call (scored 0), like a reward function's
         results = finite_rewards([r for _, wait in scoring for r in wait()])
+        timer.reward_errors += sum(r.error is not None for r in results)
         check_reward_failures(results, run.cfg.env.max_failed_reward_fraction, "env.max_failed_reward_fraction")
     rewards = torch.tensor([r.reward for r in results], dtype=torch.float32)
     return completions, rewards, results
@@ -177,11 +185,11 @@ def rollout_metrics(rewards, results, completions, lengths, timer: PhaseTimer) -
         "rollout/reward_mean": float(rewards.mean()),
         "rollout/reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
         **accuracy,
-        "rollout/reward_errors": float(sum(r.error is not None for r in results)),
+        "rollout/reward_errors": float(timer.reward_errors),
         "rollout/gen_len_mean": float(lengths.mean()),
         "rollout/gen_len_max": float(lengths.max()),
         "rollout/truncated_fraction": sum(c.finish_reason == "length" for c in completions) / len(completions),
-        "rollout/tokens_per_s": float(lengths.sum()) / max(timer.seconds.get("generate", 0.0), 1e-9),
+        "rollout/tokens_per_s": timer.generated_tokens / max(timer.seconds.get("generate", 0.0), 1e-9),
     }
 
 

@@ -34,6 +34,15 @@ def join_policy_group(rank: int, world_size: int, master: tuple[str, int]) -> No
                             world_size=world_size)
 
 
+def peak_gpu_memory() -> dict[str, float]:
+    """`gpu_allocated_gib_max`: the largest `torch.cuda.max_memory_allocated` so far (training, and generation
+    when in-process) over the policy ranks. A collective on their group: every rank's `train` reaches it. The
+    loop keeps one rank's metrics, and with uneven DP shards another rank's peak can be the higher one."""
+    from rl_core.metrics import all_reduce_metrics
+
+    return all_reduce_metrics({"gpu_allocated_gib_max": torch.cuda.max_memory_allocated() / 2**30})
+
+
 def _setup_process(num_threads: int) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     torch.set_num_threads(max(1, num_threads))
@@ -101,8 +110,8 @@ class PolicyWorker(GeneratorHost):
 
     def train(self, batch: Any, loss_fn: Any) -> dict[str, float]:
         metrics = self.engine.train_batch(batch, loss_fn)
-        if torch.cuda.is_available():  # this process's peak so far: training, and generation when in-process
-            metrics["gpu_allocated_gib_max"] = torch.cuda.max_memory_allocated() / 2**30
+        if torch.cuda.is_available():
+            metrics.update(peak_gpu_memory())
         return metrics
 
     def save_checkpoint(self, path: str) -> None:

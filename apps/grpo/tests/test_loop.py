@@ -177,3 +177,38 @@ def test_an_environment_whose_rewards_are_all_non_finite_stops_the_run():
     run.workers = AllNaN()
     with pytest.raises(RewardFailureError, match="non-finite reward nan"):
         grpo_step(run, 0)
+
+
+
+class RecordingWorkers(StubWorkers):
+    """StubWorkers whose reward calls fail for every completion of an even prompt (a zero-variance group that
+    dynamic sampling drops), keeping what they generate and the failures they return: the independent counts."""
+
+    def __init__(self):
+        super().__init__()
+        self.generated, self.failed = [], 0
+
+    def generate(self, prompts, params):
+        completions = super().generate(prompts, params)
+        self.generated += completions
+        return completions
+
+    def score(self, requests):
+        results = [RewardResult(reward=0.0, error="boom") if r.metadata["odd"] == 0 else ok
+                   for r, ok in zip(requests, super().score(requests))]
+        self.failed += sum(r.error is not None for r in results)
+        return results
+
+
+def test_rollout_counts_cover_the_groups_dynamic_sampling_dropped():
+    """timing/generate_s covers every round, so tokens_per_s must count the tokens of the dropped groups too
+    (it counted the kept ones only: 9 of the 12 generated here); reward_errors must count the failed calls of
+    the dropped groups (it reported 0 of the 2 here: a prompt whose every call fails has zero variance)."""
+    run = make_run("grpo.dynamic_sampling=true", "grpo.max_dynamic_sampling_rounds=20")
+    run.workers = RecordingWorkers()
+    metrics = grpo_step(run, 0)
+    generated = sum(len(c.token_ids) for c in run.workers.generated)
+    kept = sum(int(mask.sum()) for mask in run.workers.trained[0].loss_mask)  # completion tokens trained on
+    assert generated > kept and run.workers.failed > 0
+    assert metrics["rollout/tokens_per_s"] * metrics["timing/generate_s"] == pytest.approx(generated, rel=1e-9)
+    assert metrics["rollout/reward_errors"] == run.workers.failed
