@@ -1,6 +1,7 @@
 """The logprob + entropy kernel of both engines against the plain torch composition, side by side.
 
     uv run bench/logprob_kernel.py [--tokens 2048] [--vocab 151936] [--temperature 1.0] [--device cpu|cuda]
+                                   [--top-k 50] [--top-p 0.9]
 
 The same logits (tokens x vocab, model dtype, e.g. bf16 as the engines' lm_head returns them), targets and
 upstream gradient go through:
@@ -8,7 +9,10 @@ upstream gradient go through:
     entropy `-(softmax * log_softmax).sum(-1)` (what trainers built on plain torch / HF compute);
   * rl_core.logprobs.vocab_parallel_logprobs(with_entropy=True): the kernel of engine-dtensor and
     engine-megatron (token chunks of `policy.logprob_chunk_tokens`, one pass for logprobs and entropy,
-    backward recomputing each chunk's softmax into one gradient tensor).
+    backward recomputing each chunk's softmax into one gradient tensor);
+  * the same kernel with --top-k / --top-p (policy.top_k / top_p: the sampler's truncated distribution, whose
+    cut costs a sort of each row): what truncation adds (its results are of another distribution, so no
+    difference is printed for it).
 For each: forward + backward wall time (median of --repeats after a warm-up), the bytes its operators read
 and write on tokens x vocab tensors (counted per operator by a TorchDispatchMode: inputs + outputs of every
 op with a vocab-wide operand, views free, gather / scatter counted at the elements they touch; a
@@ -74,6 +78,14 @@ def fused(logits: torch.Tensor, targets: torch.Tensor, chunk: int, temperature: 
     return vocab_parallel_logprobs(logits, targets, temperature=temperature, chunk_tokens=chunk, with_entropy=True)
 
 
+def truncated(top_k: int, top_p: float) -> Callable:
+    def kernel(logits: torch.Tensor, targets: torch.Tensor, chunk: int, temperature: float
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        return vocab_parallel_logprobs(logits, targets, temperature=temperature, chunk_tokens=chunk, with_entropy=True,
+                                       top_k=top_k, top_p=top_p)
+    return kernel
+
+
 def measure(fn: Callable, logits: torch.Tensor, targets: torch.Tensor, grad: torch.Tensor, chunk: int,
             temperature: float, repeats: int) -> dict[str, Any]:
     def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -114,6 +126,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--top-k", type=int, default=50, help="0 and --top-p 1 leave out the truncated row")
+    parser.add_argument("--top-p", type=float, default=0.9)
     args = parser.parse_args()
     setup_logging()
     gen = torch.Generator().manual_seed(0)
@@ -122,11 +136,14 @@ def main() -> None:
     grad = torch.randn(args.tokens, generator=gen).to(args.device)
     sides = {"plain torch (log_softmax + entropy, autograd)": plain_torch,
              f"rl_core vocab_parallel_logprobs (chunks of {args.chunk})": fused}
+    if args.top_k or args.top_p < 1.0:
+        sides[f"the same, top_k={args.top_k} top_p={args.top_p}"] = truncated(args.top_k, args.top_p)
     results = {name: measure(fn, logits, targets, grad, args.chunk, args.temperature, args.repeats) for name, fn in sides.items()}
     base = next(iter(results.values()))
     rows = []
     for name, r in results.items():
         diff = "/".join(f"{float((a.double() - b.double()).abs().max()):.0e}" for a, b in zip(r["result"], base["result"]))
+        diff = "(another distribution)" if name.startswith("the same, top_k") else diff
         rows.append([name, f"{r['time'] * 1e3:.1f}", f"{base['time'] / r['time']:.2f}x", f"{r['bytes'] / 2**30:.2f}",
                      f"{base['bytes'] / r['bytes']:.2f}x", f"{r['live'] / 2**30:.2f}", f"{r['peak']:.2f}",
                      diff])

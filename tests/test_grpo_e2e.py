@@ -98,6 +98,21 @@ def test_vllm_in_the_policy_ranks_with_one_and_two_ranks(tmp_path):
         assert math.isclose(record["train/loss"], one["train/loss"], abs_tol=1e-5)
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_top_k_top_p_logprobs_agree_with_the_trainers(tmp_path):
+    """Top-k / top-p with vLLM (the vllm lane): vLLM reports logprobs of the truncated distribution, and the engine,
+    given the same policy.top_k / top_p, recomputes exactly that one: the importance ratios stay at 1. Their
+    full-vocabulary logprobs would differ by the mass truncated away, about -log(0.7) at top_p=0.7."""
+    sampling = ["generation.top_k=30", "policy.top_k=30", "generation.top_p=0.7", "policy.top_p=0.7"]
+    records = run_grpo(tmp_path / "run", "grpo.max_steps=2", "grpo.val_every=0", "checkpointing.enabled=false",
+                       "env.num_workers=0", "generation.backend=vllm", "generation.in_policy_workers=true", *sampling)
+    steps = train_records(records)
+    assert sorted(steps) == [0, 1]
+    for record in steps.values():
+        assert record["train/token_mult_prob_error"] < 1 + 1e-3, record  # as without truncation (test above)
+
+
 @pytest.mark.slow
 def test_kill_after_step_3_and_resume_reproduces_steps_4_to_6(tmp_path):
     overrides = ["grpo.max_steps=6", "grpo.val_every=0", "checkpointing.save_every=3", "checkpointing.keep_top_k=5"]

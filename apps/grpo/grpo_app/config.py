@@ -72,6 +72,10 @@ class GenerationConfig:
     backend_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"generation.top_p={self.top_p} must be in (0, 1]")
+        if self.top_k < 0:
+            raise ConfigError(f"generation.top_k={self.top_k} must be >= 0")
         if self.in_policy_workers and self.num_workers != 1:
             logger.warning("generation.num_workers=%d is unused: generation runs inside the policy workers "
                            "(generation.in_policy_workers=true), one generator per policy rank or TP group",
@@ -156,11 +160,11 @@ class GRPOConfig:
     checkpointing: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
-        if self.generation.temperature != self.policy.temperature:
-            raise ConfigError(
-                f"generation.temperature={self.generation.temperature} but policy.temperature="
-                f"{self.policy.temperature}: the trainer's logprobs must use the sampling temperature; set both"
-            )
+        for key in ("temperature", "top_k", "top_p"):  # the trainer's logprobs are of the sampler's distribution
+            sampled, trained = getattr(self.generation, key), getattr(self.policy, key)
+            if sampled != trained:
+                raise ConfigError(f"generation.{key}={sampled} but policy.{key}={trained}: the trainer's logprobs "
+                                  f"must be of the distribution the sampler draws from; set both to the same value")
         max_model_len = self.generation.backend_kwargs.get("max_model_len")
         if isinstance(max_model_len, int) and max_model_len <= self.generation.max_new_tokens:
             raise ConfigError(f"generation.backend_kwargs.max_model_len={max_model_len} leaves no room for a prompt "
@@ -194,10 +198,20 @@ class GRPOConfig:
 
 def longest_planned_sequence(policy: PolicyConfig) -> int | None:
     """The longest sequence the micro-batch planner accepts in both the training and the logprob passes (None:
-    no token budget), as seqpack prices it (rounded up to dynamic batching's sequence_length_round). An
-    engine's own length multiple (TP under sequence parallel, megatron's 2 x TP x CP) can lower it further."""
-    budgets = [micro_batch_limits(policy, training=training, seq_multiple=1) for training in (True, False)]
-    return min((b["max_tokens"] // b["round_to"] * b["round_to"] for b in budgets if "max_tokens" in b), default=None)
+    no token budget). seqpack prices a sequence at its length rounded up to `round_to`, the lcm of dynamic
+    batching's sequence_length_round and the engine's own padding multiple (TP under sequence parallel,
+    megatron's 2 x TP x CP when packing), and refuses one whose rounded length exceeds the budget; so the
+    limit is the budget rounded *down* to that multiple. The engine's multiple comes from its class
+    (`rl_core.interfaces.PadsSequences`), from the config alone; an engine without it counts as 1."""
+    from rl_core.interfaces import PadsSequences
+    from rl_core.registry import ENGINES
+
+    if not (policy.sequence_packing.enabled or policy.dynamic_batching.enabled):
+        return None  # micro-batches by sequence count: no token budget to overrun
+    engine_cls = ENGINES.get(policy.engine_name, config_key=policy.engine_config_key)
+    multiple = engine_cls.sequence_multiple(policy) if isinstance(engine_cls, PadsSequences) else 1
+    budgets = [micro_batch_limits(policy, training=training, seq_multiple=multiple) for training in (True, False)]
+    return min(b["max_tokens"] // b["round_to"] * b["round_to"] for b in budgets)
 
 
 # ---- loading --------------------------------------------------------------------------------------------

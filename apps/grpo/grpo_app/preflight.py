@@ -44,7 +44,7 @@ ADDRESS_PROBE_TIMEOUT_S = 10.0
 # The smallest sensible value of every integer of the typed configs (tests check that none is missing).
 INT_BOUNDS: dict[str, int] = {
     "policy.train_global_batch_size": 1, "policy.train_micro_batch_size": 1, "policy.logprob_batch_size": 1,
-    "policy.logprob_chunk_tokens": 1,
+    "policy.logprob_chunk_tokens": 1, "policy.top_k": 0,
     "policy.scheduler.warmup_steps": 0, "policy.scheduler.total_steps": 1,
     "policy.sequence_packing.train_mb_tokens": 1, "policy.sequence_packing.logprob_mb_tokens": 1,
     "policy.dynamic_batching.train_mb_tokens": 1, "policy.dynamic_batching.logprob_mb_tokens": 1,
@@ -67,8 +67,6 @@ def check_bounds(cfg: GRPOConfig) -> None:
             value = value[part]
         if value is not None and value < low:
             raise ConfigError(f"{dotted}={value} must be >= {low}")
-    if not 0.0 < cfg.generation.top_p <= 1.0:
-        raise ConfigError(f"generation.top_p={cfg.generation.top_p} must be in (0, 1]")
 
 
 def check_kwargs(target: Callable[..., Any], kwargs: dict[str, Any], key: str, *, given: Collection[str] = ()) -> None:
@@ -194,18 +192,6 @@ def check_cluster_address(address: str | None) -> None:
                           f"--port={port}`) or leave cluster.address unset for a local Ray") from None
 
 
-def check_truncated_sampling(cfg: GRPOConfig, backend_cls: type) -> None:
-    """top-k / top-p with a backend whose logprobs are of the truncated distribution: the importance weights
-    would compare those with the engines' full-distribution logprobs, a bias at every token."""
-    gen = cfg.generation
-    if (gen.top_p < 1.0 or gen.top_k > 0) and getattr(backend_cls, "truncated_logprobs", False):
-        raise ConfigError(f"generation.top_p={gen.top_p} / generation.top_k={gen.top_k} with generation.backend="
-                          f"{gen.backend}: it reports logprobs of the top-k/top-p truncated distribution, and the "
-                          "training engines compute them over the full vocabulary, so the importance correction "
-                          "would be off at every token; use top_p=1.0 and top_k=0 (the RL default), or the torch "
-                          "backend")
-
-
 def check_backend_installed(cfg: GRPOConfig, backend_cls: type) -> None:
     """A local run's generation backend finds its optional modules (else it fails inside a Ray actor); on a
     cluster the workers' Python is not the driver's, so it is not checked."""
@@ -312,7 +298,6 @@ def preflight(cfg: GRPOConfig) -> GRPOConfig:
     engine_cfg = engine_cls.validate_config(cfg.policy) if isinstance(engine_cls, ValidatesConfig) else None
     backend_cls = GENERATION_BACKENDS.get(cfg.generation.backend, config_key="generation.backend")
     check_kwargs(backend_cls, cfg.generation.backend_kwargs, "generation.backend_kwargs", given=("model_path",))
-    check_truncated_sampling(cfg, backend_cls)
     check_backend_installed(cfg, backend_cls)
     check_environment(cfg)
     check_reward_function(cfg)

@@ -47,6 +47,10 @@ def test_cross_field_checks(tmp_path):
     path = write(tmp_path / "c.yaml", "policy: {model_name: m}\n")
     with pytest.raises(ConfigError, match="policy.temperature"):
         load_config(path, ["generation.temperature=0.7"])
+    for sampling in ("top_k=20", "top_p=0.9"):  # top-k / top-p truncate the distribution the trainer recomputes
+        with pytest.raises(ConfigError, match=f"generation.{sampling} but policy.{sampling.split('=')[0]}"):
+            load_config(path, [f"generation.{sampling}"])
+        assert load_config(path, [f"generation.{sampling}", f"policy.{sampling}"]).policy.top_k in (0, 20)
     with pytest.raises(ConfigError, match="train_global_batch_size"):
         load_config(path, ["policy.train_global_batch_size=7"])
     with pytest.raises(ConfigError, match="NCCL refuses two ranks on one device"):
@@ -140,3 +144,50 @@ def test_megatron_switch_is_one_key():
         ENGINES.get("megatron", config_key="policy").validate_config(
             load_config(None, ["policy.megatron_cfg.enabled=true",
                                "policy.megatron_cfg.tensor_model_paralel_size=2"]).policy)
+
+
+def test_prompt_limit_rounds_by_the_engines_padding_multiple():
+    """seqpack prices a sequence at its length rounded up to the lcm of sequence_length_round and the engine's
+    own multiple, and refuses it past the budget. The limit used to round by sequence_length_round alone, so
+    it admitted prompts whose prompt + max_new_tokens the engine's planner then refused mid-run."""
+    import torch
+
+    import seqpack
+    from engine_dtensor.config import DTensorConfig
+    from engine_megatron import batching
+    from engine_megatron.config import parse_megatron_config, resolve_settings
+    from grpo_app.config import longest_planned_sequence
+    from rl_core.batch import TokenBatch
+    from rl_core.config import micro_batch_limits
+    from rl_core.testing.tiny_models import tiny_config
+
+    base = ["policy.model_name=x", "generation.max_new_tokens=64"]
+    # DTensor, TP=3 with sequence parallel, dynamic batching: round_to = lcm(64, 3) = 192
+    dtensor = load_config(None, [*base, "policy.sequence_packing.enabled=false", "policy.dynamic_batching.enabled=true",
+                                 "policy.dynamic_batching.train_mb_tokens=1100",
+                                 "policy.dtensor_cfg.tensor_parallel_size=3", "policy.dtensor_cfg.sequence_parallel=true"])
+    assert longest_planned_sequence(dtensor.policy) == 960  # 5 x 192; the old limit, 1100 // 64 * 64, was 1088
+    assert dtensor.prompt_token_limit == 960 - 64
+    # what DTensorEngine._plan asks seqpack for (no process group: plan_dp_micro_batches is plan_micro_batches)
+    limits = micro_batch_limits(dtensor.policy, training=True, seq_multiple=DTensorConfig.from_policy(dtensor.policy)
+                                .seq_multiple)
+    seqpack.plan_dp_micro_batches([960], **limits)
+    with pytest.raises(ValueError, match=r"length 1088 \(1152 after round_to=192\) > max_tokens=1100"):
+        seqpack.plan_dp_micro_batches([1088], **limits)
+
+    # Megatron, TP=2 (sequence parallel on by default), packing: every packed sequence padded to 2 x TP = 4
+    megatron = load_config(None, [*base, "policy.megatron_cfg.enabled=true",
+                                  "policy.megatron_cfg.tensor_model_parallel_size=2",
+                                  "policy.sequence_packing.train_mb_tokens=1026"])
+    assert longest_planned_sequence(megatron.policy) == 1024  # the old limit was the budget itself, 1026
+    assert megatron.prompt_token_limit == 1024 - 64
+    policy = megatron.policy
+    settings = resolve_settings(policy, parse_megatron_config(policy.engine_options), tiny_config("qwen2"),
+                                world_size=2, use_cuda=False)
+
+    def batch(length: int) -> TokenBatch:
+        return TokenBatch(input_ids=[torch.zeros(length, dtype=torch.long)], loss_mask=[torch.ones(length)])
+
+    batching.plan(batch(1024), policy, settings, training=True)
+    with pytest.raises(ValueError, match=r"length 1026 \(1028 after round_to=4\) > max_tokens=1026"):
+        batching.plan(batch(1026), policy, settings, training=True)

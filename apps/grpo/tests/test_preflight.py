@@ -66,16 +66,6 @@ def test_unknown_environment_and_backend(caplog):
     assert code == 2 and "generation.backend" in text and "'sglang' is not registered" in text
 
 
-@pytest.mark.parametrize("sampling", ["generation.top_p=0.9", "generation.top_k=20"])
-def test_truncated_sampling_with_vllm_is_refused_and_allowed_with_torch(caplog, sampling):
-    code, text = run_main(caplog, "generation.backend=vllm", "generation.in_policy_workers=true", sampling)
-    assert code == 2 and "reports logprobs of the top-k/top-p truncated distribution" in text, text
-    from grpo_app.preflight import check_truncated_sampling
-    from rollout.torch_backend import TorchGenerationBackend
-
-    check_truncated_sampling(load_config(None, [sampling, "policy.model_name=x"]), TorchGenerationBackend)
-
-
 def test_backend_whose_module_is_missing_fails_before_ray(caplog, monkeypatch):
     from rollout.vllm_backend import VLLMGenerationBackend
 
@@ -107,6 +97,7 @@ def test_data_directory_is_named_a_directory(caplog, tmp_path):
     ("generation.num_workers=0", "generation.num_workers=0 must be >= 1"),
     ("generation.max_new_tokens=0", "generation.max_new_tokens=0 must be >= 1"),
     ("generation.top_p=0", "generation.top_p=0.0 must be in (0, 1]"),
+    ("generation.top_k=-2", "generation.top_k=-2 must be >= 0"),
     ("policy.optimizer.name=Adamm", "policy.optimizer.name='Adamm' is not a torch.optim optimizer; did you mean 'Adam'?"),
     ("policy.optimizer.kwargs.lrr=1e-3", "unknown config key 'policy.optimizer.kwargs.lrr'; did you mean "
                                          "'policy.optimizer.kwargs.lr'?"),

@@ -38,6 +38,23 @@ def test_temperature_divides_logits(ckpt) -> None:
     assert max_abs_diff(got, ref) <= 1e-6
 
 
+def _truncated_logprobs(rank: int, world: int, path: str) -> list[torch.Tensor]:
+    engine = DTensorEngine(make_policy(path, temperature=0.8, top_k=40, top_p=0.7, logprob_chunk_tokens=7,
+                                       dtensor_cfg={"tensor_parallel_size": world}))
+    return engine.compute_logprobs(random_token_batch(VOCAB, LENGTHS))
+
+
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.distributed)])
+def test_top_k_top_p_logprobs_are_of_the_truncated_distribution(ckpt, world: int) -> None:
+    """policy.top_k / top_p: the log-softmax over the tokens the sampler keeps (float64 HF reference from the
+    definition), vocab-parallel under TP=2; the full-vocabulary logprobs differ (the test can tell)."""
+    got = run_distributed(_truncated_logprobs, world, args=(ckpt("qwen2"),))[0]
+    seqs = random_token_batch(VOCAB, LENGTHS).input_ids
+    ref = hf_reference_logprobs(ckpt("qwen2"), seqs, temperature=0.8, top_k=40, top_p=0.7)
+    assert max_abs_diff(got, ref) <= 2e-6
+    assert max_abs_diff(got, hf_reference_logprobs(ckpt("qwen2"), seqs, temperature=0.8)) > 0.1
+
+
 def test_padded_batch_matches_hf_padded_batch(ckpt) -> None:
     """A right-padded micro-batch of 4 equals HF's own forward of the same padded batch (HF 2-D mask)."""
     from transformers import AutoModelForCausalLM

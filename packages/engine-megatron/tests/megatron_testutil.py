@@ -17,6 +17,7 @@ from rl_core.batch import TokenBatch
 from rl_core.config import PolicyConfig, parse_config
 from rl_core.losses import ClippedPGLoss, LossConfig
 from rl_core.testing.contracts import random_token_batch
+from rl_core.testing.truncation import truncated_log_softmax
 
 VOCAB = 100  # tiny checkpoints with vocab 100: megatron pads to 128 * TP, so padding is exercised
 LENGTHS = [5, 9, 7, 12, 3, 10, 8, 6]
@@ -189,8 +190,10 @@ def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
     return max(float((a[k].double() - b[k].double()).norm() / b[k].double().norm().clamp_min(1e-30)) for k in a)
 
 
-def hf_target_logprobs(ckpt: str, batch: TokenBatch, temperature: float = 1.0) -> list[torch.Tensor]:
-    """Independent reference: the HF model, one sequence at a time, fp64 log-softmax of fp32 logits."""
+def hf_target_logprobs(ckpt: str, batch: TokenBatch, temperature: float = 1.0, top_k: int = 0,
+                       top_p: float = 1.0) -> list[torch.Tensor]:
+    """Independent reference: the HF model, one sequence at a time, fp64 log-softmax of fp32 logits (over the
+    top-k / top-p kept tokens and the target, rl_core.testing.truncation, when those are set)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
@@ -198,7 +201,8 @@ def hf_target_logprobs(ckpt: str, batch: TokenBatch, temperature: float = 1.0) -
     with torch.no_grad():
         for ids in batch.input_ids:
             logits = model(ids[None]).logits[0].double() / temperature  # (L, V)
-            lp = torch.log_softmax(logits[:-1], -1).gather(-1, ids[1:, None])[:, 0]
+            logp = truncated_log_softmax(logits[:-1], top_k, top_p, targets=ids[1:])
+            lp = logp.gather(-1, ids[1:, None])[:, 0]
             out.append(torch.cat([torch.zeros(1, dtype=torch.float64), lp]).float())
     return out
 

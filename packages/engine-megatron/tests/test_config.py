@@ -192,3 +192,23 @@ def test_missing_model_names_policy_model_name(tmp_path) -> None:
 
     with pytest.raises(ValueError, match=r"config.json not found: policy.model_name must be a Hugging Face checkpoint"):
         MegatronEngine(make_policy(str(tmp_path / "nowhere")))
+
+
+@pytest.mark.parametrize("options, packing, world_size, expected", [
+    ({}, True, 1, 1), ({"tensor_model_parallel_size": 2}, False, 2, 2),
+    ({"tensor_model_parallel_size": 2, "sequence_parallel": False}, False, 2, 1),
+    ({"tensor_model_parallel_size": 2}, True, 2, 4), ({"sequence_parallel": True}, False, 1, 1),
+    ({"tensor_model_parallel_size": 2, "context_parallel_size": 2}, True, 4, 8),
+])
+def test_sequence_multiple_from_the_config_is_the_one_the_planner_uses(monkeypatch, options, packing, world_size,
+                                                                        expected) -> None:
+    """The trainer's prompt-length limit rounds by `MegatronEngine.sequence_multiple` (config alone): it must be
+    the multiple `batching.plan` gives seqpack once the settings are resolved."""
+    from engine_megatron.engine import MegatronEngine
+
+    _simulate_cuda(monkeypatch, te=True, apex=False)  # context parallelism needs TE
+    policy = make_policy("x", sequence_packing={"enabled": packing}, megatron_cfg=options)
+    settings = resolve_settings(policy, MegatronEngine.validate_config(policy), tiny_config("qwen2"), world_size,
+                                use_cuda=True)
+    planned = settings.pack_multiple if settings.packing else settings.seq_multiple  # as batching.plan
+    assert MegatronEngine.sequence_multiple(policy) == planned == expected

@@ -63,6 +63,25 @@ def test_temperature_divides_logits(tiny_ckpt) -> None:
     assert max_abs_diff(dict(enumerate(got)), dict(enumerate(ref))) <= 1e-5
 
 
+def _truncated_logprobs_at(rank: int, world_size: int, ckpt: str) -> list[torch.Tensor]:
+    from engine_megatron.engine import MegatronEngine
+
+    policy = make_policy(ckpt, {"tensor_model_parallel_size": world_size}, temperature=0.8, top_k=40, top_p=0.7,
+                         logprob_chunk_tokens=7)
+    return MegatronEngine(policy).compute_logprobs(global_batch(0))
+
+
+@pytest.mark.distributed
+def test_top_k_top_p_logprobs_are_of_the_truncated_distribution(tiny_ckpt) -> None:
+    """policy.top_k / top_p at TP=2 (vocab-parallel logits, padded vocabulary): the log-softmax over the tokens
+    the sampler keeps, against the float64 HF reference from the definition; not the full-vocabulary one."""
+    ckpt = tiny_ckpt("llama")
+    got = dict(enumerate(run_distributed(_truncated_logprobs_at, 2, args=(ckpt,))[0]))
+    ref = dict(enumerate(hf_target_logprobs(ckpt, global_batch(0), temperature=0.8, top_k=40, top_p=0.7)))
+    assert max_abs_diff(got, ref) <= 1e-5
+    assert max_abs_diff(got, dict(enumerate(hf_target_logprobs(ckpt, global_batch(0), temperature=0.8)))) > 0.1
+
+
 LAYOUTS = {
     "tp2": (2, {"tensor_model_parallel_size": 2}, {}),  # sequence parallel on by default with TP>1
     "tp2_sp_off": (2, {"tensor_model_parallel_size": 2, "sequence_parallel": False}, {}),

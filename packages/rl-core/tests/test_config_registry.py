@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -184,15 +185,32 @@ def test_combine_metrics_reads_tensors_back_once_not_per_value():
 
 
 def test_optimizer_steps_average_means_add_counts_and_keep_extremes():
-    """A GRPO step of two optimizer steps: one with 3 non-finite tokens (skipped), one clean."""
+    """A GRPO step of two optimizer steps: one with 3 non-finite tokens (skipped), one clean. The skipped
+    step's grad norm is left out of the mean even where finite (megatron's found_inf): it was not applied."""
     steps = [{"loss": 1.0, "grad_norm": 2.0, "ratio_min": 0.5, "ratio_max": 5.0, "nonfinite_logprob_tokens": 3.0,
               "skipped": 1.0, "num_micro_batches": 4.0, "gpu_allocated_gib_max": 7.0},
              {"loss": 3.0, "grad_norm": 4.0, "ratio_min": 0.9, "ratio_max": 1.1, "nonfinite_logprob_tokens": 0.0,
               "skipped": 0.0, "num_micro_batches": 4.0, "gpu_allocated_gib_max": 6.5}]
     assert combine_optimizer_steps(steps) == {
-        "loss": 2.0, "grad_norm": 3.0, "ratio_min": 0.5, "ratio_max": 5.0, "nonfinite_logprob_tokens": 3.0,
+        "loss": 2.0, "grad_norm": 4.0, "ratio_min": 0.5, "ratio_max": 5.0, "nonfinite_logprob_tokens": 3.0,
         "skipped": 1.0, "num_micro_batches": 8.0, "gpu_allocated_gib_max": 7.0}
     assert combine_optimizer_steps(steps[1:]) == steps[1]
+
+
+@pytest.mark.parametrize("bad_norm", [math.nan, math.inf])
+def test_skipped_optimizer_step_does_not_make_the_grad_norm_nan(bad_norm):
+    """As the engines report a skipped step (non-finite grad norm, `skipped` 1): the GRPO step's grad norm
+    is the mean over the applied steps, NaN only when all were skipped; the skip count is still summed."""
+    def step(grad_norm, skipped):
+        return {"loss": 1.0, "grad_norm": grad_norm, "lr": 1e-6, "skipped": skipped, "num_micro_batches": 2.0}
+
+    steps = [step(2.0, 0.0), step(bad_norm, 1.0), step(4.0, 0.0)]
+    got = combine_optimizer_steps(steps)
+    assert got == {"loss": 1.0, "grad_norm": 3.0, "lr": 1e-6, "skipped": 1.0, "num_micro_batches": 6.0}
+    # without a `skipped` key a non-finite grad norm alone marks the step as not applied
+    assert combine_optimizer_steps([{"grad_norm": bad_norm}, {"grad_norm": 5.0}]) == {"grad_norm": 5.0}
+    all_skipped = combine_optimizer_steps([step(bad_norm, 1.0), step(math.nan, 1.0)])
+    assert math.isnan(all_skipped["grad_norm"]) and all_skipped["skipped"] == 2.0
 
 
 def _reduce_on_rank(rank, world_size):

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from rl_core.logprobs import vocab_parallel_logprobs
+from rl_core.testing.distributed import run_distributed
 from rl_core.testing.memory import LargestTensors, PeakLiveTensors
+from rl_core.testing.truncation import truncated_log_softmax
 
 QWEN_VOCAB = 151936
 
@@ -89,6 +92,23 @@ def test_no_fp32_intermediate_beyond_the_chunk_at_a_152k_vocabulary() -> None:
     torch.testing.assert_close(chunked_grad, logits.grad, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("top_k,top_p", [(50, 1.0), (0, 0.9), (50, 0.9)])
+def test_truncation_stays_within_the_chunk_at_a_152k_vocabulary(top_k: int, top_p: float) -> None:
+    """The cut's sort (float32 values, int64 indices) runs a third of a chunk at a time: no float32 tensor
+    beyond chunk x vocab, forward or backward, and no int64 one beyond it either."""
+    torch.manual_seed(7)
+    tokens, chunk = 24, 12
+    logits = torch.randn(tokens, QWEN_VOCAB, dtype=torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, QWEN_VOCAB, (tokens,))
+    with LargestTensors() as seen:
+        lp, _ = vocab_parallel_logprobs(logits, targets, chunk_tokens=chunk, with_entropy=True, top_k=top_k,
+                                        top_p=top_p)
+        lp.sum().backward()
+    assert seen.numel(torch.float32) <= chunk * QWEN_VOCAB, seen.largest
+    assert seen.numel(torch.int64) <= chunk * QWEN_VOCAB // 3, seen.largest
+    assert torch.isfinite(lp).all() and torch.isfinite(logits.grad).all()
+
+
 def test_backward_holds_one_gradient_of_the_logits_plus_a_chunk() -> None:
     """The gradient of bf16 logits (96 tokens x 151936) is written chunk by chunk into one tensor: at no time
     do the tensors the kernel creates hold more than that gradient and two float32 chunks (on the CPU
@@ -108,3 +128,117 @@ def test_backward_holds_one_gradient_of_the_logits_plus_a_chunk() -> None:
 def test_chunk_tokens_must_be_positive() -> None:
     with pytest.raises(ValueError, match="logprob_chunk_tokens must be >= 1"):
         vocab_parallel_logprobs(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), chunk_tokens=0)
+
+
+def _truncated_reference(logits: torch.Tensor, targets: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                         vocab_size: int | None = None):
+    """float64, whole tensor at once, the kept set from rl_core.testing.truncation's pairwise definition (the
+    target kept whatever). Returns as `_reference`, and the kept set."""
+    real = logits.shape[-1] if vocab_size is None else vocab_size
+    x = logits.detach().double().requires_grad_()
+    logp = torch.full_like(x, float("-inf"))
+    logp[:, :real] = truncated_log_softmax(x[:, :real] / temperature, top_k, top_p, targets)
+    lp = logp.gather(-1, targets[:, None])[:, 0]
+    entropy = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)
+    weights = torch.linspace(-1, 2, lp.numel(), dtype=torch.float64)
+    (lp * weights).sum().backward()
+    return lp.detach(), entropy.detach(), x.grad, weights, torch.isfinite(logp)
+
+
+@pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (0, 0.8), (12, 0.6), (1, 1.0), (0, 1e-6), (60, 0.9)])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_truncated_logprobs_entropy_and_grads_equal_the_float64_definition(top_k: int, top_p: float,
+                                                                            temperature: float) -> None:
+    """top-k / top-p: the distribution a truncating sampler draws from, renormalised over its kept tokens,
+    for any chunking; truncated-away logits get gradient 0; a target the cut would drop is kept."""
+    torch.manual_seed(4)
+    logits = torch.randn(21, 50) * 3
+    targets = torch.randint(0, 50, (21,))
+    targets[0] = logits[0].argmin()  # below every cut above: kept all the same
+    ref_lp, ref_entropy, ref_grad, weights, keep = _truncated_reference(logits, targets, temperature, top_k, top_p)
+    assert (~keep).any() or top_k >= 50
+    for chunk in (1, 4, 1000):
+        local = logits.clone().requires_grad_()
+        lp, entropy = vocab_parallel_logprobs(local, targets, temperature=temperature, chunk_tokens=chunk,
+                                              with_entropy=True, top_k=top_k, top_p=top_p)
+        (lp * weights.float()).sum().backward()
+        torch.testing.assert_close(lp.double(), ref_lp, rtol=0, atol=2e-6)
+        torch.testing.assert_close(entropy.double(), ref_entropy, rtol=0, atol=5e-6)
+        torch.testing.assert_close(local.grad.double(), ref_grad, rtol=0, atol=2e-6)
+        assert not local.grad[~keep].any()
+
+
+def test_truncation_keeps_ties_with_the_cut() -> None:
+    """bf16 logits tie often: every logit equal to the k-th largest (top-k), or to the last one top-p needs,
+    stays in, whatever the sort order."""
+    torch.manual_seed(5)
+    logits = torch.randint(-4, 4, (16, 40)).to(torch.bfloat16)
+    targets = logits.argmax(-1)
+    for top_k, top_p in ((3, 1.0), (0, 0.5), (4, 0.7)):
+        ref_lp, ref_entropy, _, _, keep = _truncated_reference(logits, targets, 1.0, top_k, top_p)
+        lp, entropy = vocab_parallel_logprobs(logits, targets, top_k=top_k, top_p=top_p, with_entropy=True)
+        torch.testing.assert_close(lp.double(), ref_lp, rtol=0, atol=2e-6)
+        torch.testing.assert_close(entropy.double(), ref_entropy, rtol=0, atol=5e-6)
+        assert (keep.sum(-1) > max(top_k, 1)).any()  # the test has ties at the boundary
+
+
+@pytest.mark.parametrize("candidates", [3, 1024])
+def test_top_p_cut_from_the_largest_logits_or_the_sorted_row(monkeypatch, candidates: int) -> None:
+    """Top-p first looks among each row's TOP_P_CANDIDATES largest logits; a row whose candidates hold less than
+    top_p is sorted whole. Peaked rows (a few tokens hold the nucleus) and flat ones (they do not) get the kept
+    set of the float64 definition either way."""
+    import rl_core.logprobs
+
+    monkeypatch.setattr(rl_core.logprobs, "TOP_P_CANDIDATES", candidates)
+    torch.manual_seed(8)
+    logits = torch.cat([torch.randn(6, 60) * 8, torch.randn(6, 60) * 0.3])  # peaked, then flat rows
+    for top_k, top_p in ((0, 0.7), (0, 0.95), (20, 0.8), (2, 0.99)):
+        cut = rl_core.logprobs.truncation_cut(logits, top_k, top_p)
+        kept = torch.isfinite(truncated_log_softmax(logits, top_k, top_p))
+        assert torch.equal(logits >= cut[:, None], kept), (top_k, top_p)
+    # with 3 candidates the flat rows need more than 3 tokens, so both ways were taken
+    counts = torch.isfinite(truncated_log_softmax(logits, 0, 0.7)).sum(-1)
+    assert (counts[:6] <= 3).any() and (counts[6:] > 3).all()
+
+
+def test_truncation_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="top_k=-1"):
+        vocab_parallel_logprobs(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), top_k=-1)
+    with pytest.raises(ValueError, match="top_p=0"):
+        vocab_parallel_logprobs(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), top_p=0.0)
+
+
+def _tensor_parallel_truncated(rank: int, world: int, layout: str, top_k: int, top_p: float):
+    """One rank's slice of the 50-token vocabulary: torch.chunk's uneven layout (DTensor: 26 + 24 columns) or
+    megatron's padded one (2 x 32 columns, the last 14 padding holding large logits)."""
+    torch.manual_seed(6)
+    logits, targets = torch.randn(13, 50) * 3, torch.randint(0, 50, (13,))
+    logits[:, 30:] -= 30  # rank 1's columns fall below every cut in most rows: a rank with nothing kept
+    if layout == "padded":
+        logits = torch.cat([logits, torch.full((13, 14), 40.0)], dim=-1)
+    width = 26 if layout == "uneven" else 32
+    local = logits[:, rank * width:(rank + 1) * width].clone().requires_grad_()
+    lp, entropy = vocab_parallel_logprobs(local, targets, group=dist.group.WORLD, vocab_start=rank * width,
+                                          vocab_size=50, temperature=0.8, chunk_tokens=4, with_entropy=True,
+                                          top_k=top_k, top_p=top_p)
+    (lp * torch.linspace(-1, 2, 13)).sum().backward()
+    return logits, targets, lp.detach(), entropy, local.grad
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", ["uneven", "padded"])
+@pytest.mark.parametrize("top_k,top_p", [(6, 1.0), (0, 0.9), (20, 0.7)])
+def test_truncated_logprobs_under_tensor_parallel_equal_the_float64_definition(layout: str, top_k: int,
+                                                                                top_p: float) -> None:
+    """TP=2 over gloo: top-k from each rank's candidates, top-p from gathered rows, on both engines' vocabulary
+    layouts; every rank gets the full answer and its slice of the gradient (float32 against float64: the
+    targets the cut would drop sit near -45, where 1e-6 relative is a few ulp)."""
+    results = run_distributed(_tensor_parallel_truncated, 2, args=(layout, top_k, top_p))
+    logits, targets = results[0][0], results[0][1]
+    ref_lp, ref_entropy, ref_grad, _, _ = _truncated_reference(logits, targets, 0.8, top_k, top_p, vocab_size=50)
+    for _, _, lp, entropy, _ in results:
+        torch.testing.assert_close(lp.double(), ref_lp, rtol=1e-6, atol=2e-6)
+        torch.testing.assert_close(entropy.double(), ref_entropy, rtol=1e-6, atol=5e-6)
+    grad = torch.cat([r[4] for r in results], dim=-1)[:, :50]
+    torch.testing.assert_close(grad.double(), ref_grad[:, :50], rtol=1e-6, atol=2e-6)
+    assert torch.isfinite(torch.cat([r[4] for r in results], dim=-1)).all()

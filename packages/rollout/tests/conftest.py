@@ -56,13 +56,19 @@ class HFReference:
         return out[0, len(prompt):].tolist()
 
     @staticmethod
-    def logprobs(model, prompt: list[int], completion: list[int], temperature: float) -> torch.Tensor:
-        """Logprobs of `completion` under a fresh single-sequence HF forward pass: log_softmax(logits / T) over
-        the full vocabulary in float64 (no production helper), returned as float32 like the backends'."""
+    def logprobs(model, prompt: list[int], completion: list[int], temperature: float, top_k: int = 0,
+                 top_p: float = 1.0) -> torch.Tensor:
+        """Logprobs of `completion` under a fresh single-sequence HF forward pass: log_softmax(logits / T) in
+        float64 (no production helper) over the full vocabulary, or with top_k / top_p over the tokens they
+        keep (`filter_bounds`' `may`: ties at the boundary stay); returned as float32 like the backends'."""
         ids = torch.tensor([prompt + completion])
         with torch.no_grad():
             logits = model(ids).logits[0, len(prompt) - 1:-1].double()  # the logits that predict `completion`
-        logprobs = torch.log_softmax(logits / temperature, dim=-1)
+        x = logits / temperature
+        if top_k > 0 or top_p < 1.0:
+            kept = torch.stack([HFReference.filter_bounds(row, temperature, top_k, top_p)[1] for row in logits])
+            x = x.masked_fill(~kept, float("-inf"))
+        logprobs = torch.log_softmax(x, dim=-1)
         return logprobs.gather(-1, ids[0, len(prompt):, None]).squeeze(-1).float()
 
     @staticmethod

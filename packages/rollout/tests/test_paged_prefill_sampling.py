@@ -176,7 +176,8 @@ def test_noise_of_the_top_hash_value_is_positive_and_cannot_break_the_filter():
 def test_decode_step_samples_like_an_hf_forward_sampled_eagerly(tiny_ckpt, prompts, sampling, hf_ref):
     """Three decode steps of 5 rows padded to bucket 8: each row's token is the exponential race over a fresh
     HF forward of that row's sequence (float64 logits / T, float64 top-k / top-p), with the Exp(1) noise of
-    the Python hash at the row's (seed, row, step), and its logprob the float64 log_softmax(logits / T)."""
+    the Python hash at the row's (seed, row, step), and its logprob the float64 log_softmax(logits / T) over
+    the tokens top-k / top-p keep."""
     backend = paged(tiny_ckpt, batch_buckets=(8,))
     backend.generate(prompts, SamplingParams(max_new_tokens=8))  # sizes the cache
     hf = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
@@ -195,7 +196,10 @@ def test_decode_step_samples_like_an_hf_forward_sampled_eagerly(tiny_ckpt, promp
             with torch.no_grad():
                 x = hf(torch.tensor([sequence])).logits[0, -1].double() / temperature
             token = row.tokens[-1]
-            torch.testing.assert_close(row.logprobs[-1], float(torch.log_softmax(x, -1)[token]), atol=1e-5, rtol=0)
+            kept = (hf_ref.filter_bounds(x, 1.0, params.top_k, params.top_p)[1] if params.temperature
+                    else torch.ones_like(x, dtype=torch.bool))
+            drawn_from = torch.log_softmax(torch.where(kept, x, float("-inf")), -1)  # the truncated distribution
+            torch.testing.assert_close(row.logprobs[-1], float(drawn_from[token]), atol=1e-5, rtol=0)
             if params.temperature == 0.0:
                 race, must = x, torch.ones_like(x, dtype=torch.bool)
                 may = must

@@ -45,13 +45,16 @@ def test_greedy_equals_hf_generate(backend, tiny_ckpt, prompts, hf_ref):
         torch.testing.assert_close(torch.tensor(completion.logprobs), ref, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_sampled_logprobs_equal_hf_forward(backend, tiny_ckpt, prompts, hf_ref, temperature):
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (0.8, 20, 0.9), (1.0, 0, 0.6)])
+def test_sampled_logprobs_equal_hf_forward(backend, tiny_ckpt, prompts, hf_ref, temperature, top_k, top_p):
+    """vLLM's processed logprobs: of the distribution at logits / T, truncated to top-k / top-p when they are
+    set (what the engines recompute with policy.top_k / top_p)."""
     hf = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
-    out = backend.generate(prompts, SamplingParams(n=4, temperature=temperature, max_new_tokens=16, seed=7))
+    params = SamplingParams(n=4, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=16, seed=7)
+    out = backend.generate(prompts, params)
     assert [c.prompt_index for c in out] == [i for i in range(len(prompts)) for _ in range(4)]
     gen = [torch.tensor(c.logprobs) for c in out]
-    prev = [hf_ref.logprobs(hf, prompts[c.prompt_index], c.token_ids, temperature) for c in out]
+    prev = [hf_ref.logprobs(hf, prompts[c.prompt_index], c.token_ids, temperature, top_k, top_p) for c in out]
     gen_t, prev_t = torch.cat(gen), torch.cat(prev)
     assert (gen_t - prev_t).abs().max() <= 1e-5
     seq_ids = torch.cat([torch.full((len(g),), i) for i, g in enumerate(gen)])

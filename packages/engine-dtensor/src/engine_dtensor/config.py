@@ -42,6 +42,12 @@ class DTensorConfig:
                 "set tensor_parallel_size or turn sequence_parallel off"
             )
 
+    @property
+    def seq_multiple(self) -> int:
+        """The multiple every sequence (padded: the row width; packed: the packed row) is padded to: the TP
+        size under sequence parallel, which splits the sequence dimension over the TP ranks."""
+        return self.tensor_parallel_size if self.sequence_parallel else 1
+
     @classmethod
     def from_policy(cls, policy: PolicyConfig) -> DTensorConfig:
         """Validate `policy.dtensor_cfg` and resolve `precision` against `policy.precision`."""

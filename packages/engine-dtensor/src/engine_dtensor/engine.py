@@ -85,6 +85,11 @@ class DTensorEngine(TrainingEngine):
         """Check `policy.dtensor_cfg` without building anything (the trainer calls this before workers start)."""
         return DTensorConfig.from_policy(policy)
 
+    @classmethod
+    def sequence_multiple(cls, policy: PolicyConfig) -> int:
+        """The multiple this engine pads sequences to (TP under sequence parallel), without building it."""
+        return cls.validate_config(policy).seq_multiple
+
     def __init__(self, policy: PolicyConfig) -> None:
         self.policy = policy
         self.cfg = self.validate_config(policy)
@@ -95,7 +100,7 @@ class DTensorEngine(TrainingEngine):
         self.dp_group = dp_mesh.get_group()
         self.dp_rank, self.dp_size = dp_mesh.get_local_rank(), self.parallel_dims.dp
         # sequence parallel splits the sequence dim over TP ranks: lengths must divide evenly
-        self.seq_multiple = self.parallel_dims.tp if self.cfg.sequence_parallel else 1
+        self.seq_multiple = self.cfg.seq_multiple
         self.attn_impl = resolve_attn_implementation(
             self.cfg.attn_implementation, self.device, self.cfg.precision,
             softcap=attention_softcap(policy.model_name),
@@ -128,7 +133,7 @@ class DTensorEngine(TrainingEngine):
         inputs = build(seqs, attn_impl=self.attn_impl, seq_multiple=self.seq_multiple, device=self.device)
         logprobs, entropy = forward_logprobs(
             self.model, inputs, temperature=self.policy.temperature, with_entropy=with_entropy,
-            chunk_tokens=self.policy.logprob_chunk_tokens,
+            chunk_tokens=self.policy.logprob_chunk_tokens, top_k=self.policy.top_k, top_p=self.policy.top_p,
         )
         return inputs, logprobs, entropy
 

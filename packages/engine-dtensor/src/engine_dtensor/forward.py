@@ -98,9 +98,10 @@ def build_packed_inputs(
 
 def forward_logprobs(
     model: nn.Module, inputs: ModelInputs, *, temperature: float, with_entropy: bool,
-    chunk_tokens: int = DEFAULT_LOGPROB_CHUNK_TOKENS,
+    chunk_tokens: int = DEFAULT_LOGPROB_CHUNK_TOKENS, top_k: int = 0, top_p: float = 1.0,
 ) -> tuple[Tensor, Tensor | None]:
-    """Token-aligned logprobs (B, S) of `inputs` (and entropies, no grad) from one model forward."""
+    """Token-aligned logprobs (B, S) of `inputs` (and entropies, no grad) from one model forward; top_k / top_p:
+    of the sampler's truncated distribution (rl_core.logprobs)."""
     logits = model(
         input_ids=inputs.input_ids,
         attention_mask=inputs.attention_mask,
@@ -118,7 +119,7 @@ def forward_logprobs(
     targets = torch.roll(inputs.input_ids, -1, dims=1)
     next_lp, entropy = vocab_parallel_logprobs(
         logits, targets, vocab_start=vocab_start, group=group, temperature=temperature, chunk_tokens=chunk_tokens,
-        with_entropy=with_entropy,
+        with_entropy=with_entropy, top_k=top_k, top_p=top_p,
     )
     logprobs = shift_align(next_lp[:, :-1])  # (B, S), 0 at t = 0
     return logprobs, None if entropy is None else shift_align(entropy[:, :-1])

@@ -15,6 +15,7 @@ from engine_dtensor.parallelize import hf_name
 from rl_core.batch import TokenBatch
 from rl_core.config import PolicyConfig, parse_config
 from rl_core.testing.contracts import random_token_batch
+from rl_core.testing.truncation import truncated_log_softmax
 
 VOCAB = 128
 
@@ -31,9 +32,10 @@ def make_policy(model_path: str, **overrides: Any) -> PolicyConfig:
 
 
 def hf_reference_logprobs(
-    model_path: str, seqs: list[torch.Tensor], temperature: float = 1.0
+    model_path: str, seqs: list[torch.Tensor], temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
 ) -> list[torch.Tensor]:
-    """Plain HF forward of each sequence alone + log_softmax: (L_i,) aligned, 0 at t = 0."""
+    """Plain HF forward of each sequence alone + log_softmax (of the top-k / top-p truncation, float64, the
+    target kept: rl_core.testing.truncation): (L_i,) aligned, 0 at t = 0."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
@@ -41,8 +43,11 @@ def hf_reference_logprobs(
     with torch.no_grad():
         for ids in seqs:
             logits = model(input_ids=ids[None]).logits[0].float() / temperature
-            lp = torch.log_softmax(logits[:-1], -1).gather(-1, ids[1:, None])[:, 0]
-            out.append(torch.cat([torch.zeros(1), lp]))
+            if top_k or top_p < 1.0:
+                logp = truncated_log_softmax(logits[:-1], top_k, top_p, targets=ids[1:]).float()
+            else:
+                logp = torch.log_softmax(logits[:-1], -1)
+            out.append(torch.cat([torch.zeros(1), logp.gather(-1, ids[1:, None])[:, 0]]))
     return out
 
 

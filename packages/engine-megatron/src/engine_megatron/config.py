@@ -224,6 +224,27 @@ class ResolvedSettings:
         return ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items())
 
 
+def sequence_parallel_on(cfg: MegatronConfig) -> bool:
+    """`sequence_parallel` as the engine runs it: None means TP > 1, and it is off at TP=1 (it does nothing)."""
+    sp = cfg.sequence_parallel if cfg.sequence_parallel is not None else cfg.tp > 1
+    return sp and cfg.tp > 1
+
+
+def length_multiples(cfg: MegatronConfig) -> tuple[int, int]:
+    """(pack_multiple, seq_multiple) of `ResolvedSettings`, from the config alone: every packed sequence is
+    padded to a multiple of 2*CP*TP (with TP or CP > 1), a padded micro-batch's length to TP under sequence
+    parallel (2*CP*TP with CP)."""
+    pack_multiple = 2 * cfg.cp * cfg.tp if cfg.cp * cfg.tp > 1 else 1
+    seq_multiple = pack_multiple if cfg.cp > 1 else (cfg.tp if sequence_parallel_on(cfg) else 1)
+    return pack_multiple, seq_multiple
+
+
+def planning_multiple(policy: PolicyConfig, cfg: MegatronConfig) -> int:
+    """The `seq_multiple` `batching.plan` prices sequences by: pack_multiple when packing, else seq_multiple."""
+    pack_multiple, seq_multiple = length_multiples(cfg)
+    return pack_multiple if policy.sequence_packing.enabled else seq_multiple
+
+
 def resolve_settings(policy: PolicyConfig, cfg: MegatronConfig, hf_config: Any, world_size: int,
                      use_cuda: bool) -> ResolvedSettings:
     """Cross-field checks (fail before any model is built) and the automatic settings."""
@@ -261,12 +282,10 @@ def resolve_settings(policy: PolicyConfig, cfg: MegatronConfig, hf_config: Any, 
     if (world_size // model_parallel) * cfg.cp * cfg.tp % (cfg.ep * cfg.etp):
         raise ConfigError(f"{section}.expert_model_parallel_size={cfg.ep} x expert_tensor_parallel_size must divide "
                           f"DP*CP*TP = {world_size // model_parallel * cfg.cp * cfg.tp}")
-    sp = cfg.sequence_parallel if cfg.sequence_parallel is not None else cfg.tp > 1
-    if sp and cfg.tp == 1:
+    if cfg.sequence_parallel and cfg.tp == 1:
         logger.warning("%s.sequence_parallel=true with TP=1 does nothing; turning it off", section)
-        sp = False
-    pack_multiple = 2 * cfg.cp * cfg.tp if cfg.cp * cfg.tp > 1 else 1
-    seq_multiple = pack_multiple if cfg.cp > 1 else (cfg.tp if sp else 1)
+    sp = sequence_parallel_on(cfg)
+    pack_multiple, seq_multiple = length_multiples(cfg)
     overrides = _automatic_overrides(cfg, use_cuda, section)
     return ResolvedSettings(sequence_parallel=sp, packing=packing, pack_multiple=pack_multiple,
                             seq_multiple=seq_multiple, transformer_overrides=overrides, use_cuda=use_cuda,

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from engine_megatron import batching, checkpoint
 from engine_megatron.compat import device_context, prepare_device
-from engine_megatron.config import MegatronConfig, parse_megatron_config, resolve_settings
+from engine_megatron.config import MegatronConfig, parse_megatron_config, planning_multiple, resolve_settings
 from engine_megatron.model import build_ddp_model, convert_once, export_hf_tensors, hf_export, load_converted
 from engine_megatron.optim import build_optimizer, build_scheduler, megatron_optimizer_config, optimizer_step
 from engine_megatron.parallel import broadcast_from_last_stage, init_model_parallel
@@ -68,6 +68,12 @@ class MegatronEngine(TrainingEngine):
     def validate_config(cls, policy: PolicyConfig) -> MegatronConfig:
         """Check `policy.megatron_cfg` (incl. TransformerConfig keys) without building anything."""
         return parse_megatron_config(policy.engine_options, policy.engine_options_key)
+
+    @classmethod
+    def sequence_multiple(cls, policy: PolicyConfig) -> int:
+        """The multiple `batching.plan` pads sequences to (packing: 2*CP*TP; padded: TP under sequence
+        parallel), without building the engine."""
+        return planning_multiple(policy, cls.validate_config(policy))
 
     @classmethod
     def check_model(cls, model_dir: str) -> None:
@@ -290,7 +296,8 @@ class MegatronEngine(TrainingEngine):
         chunk = self.policy.logprob_chunk_tokens
         training = state.loss_fn is not None and bool(mb.weight)
         logprobs, entropy = vocab_parallel_logprobs(logits, mb.targets, self.vocab_size, temperature, chunk,
-                                                    with_entropy=training)  # (B, S) each
+                                                    with_entropy=training, top_k=self.policy.top_k,
+                                                    top_p=self.policy.top_p)  # (B, S) each
         cp_group = ps.get_context_parallel_group() if self.ranks.cp_size > 1 else None
         if cp_group is not None:
             logprobs = batching.gather_cp(logprobs, mb, cp_group)

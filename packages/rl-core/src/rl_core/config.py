@@ -213,6 +213,10 @@ class PolicyConfig:
     logprob_batch_size: int = 8
     max_grad_norm: float | None = 1.0
     temperature: float = 1.0  # logits are divided by the sampling temperature before log-softmax
+    # the sampler's top-k / top-p: logprobs are then of the distribution it draws from, renormalised over the
+    # tokens it keeps (rl_core.logprobs); 0 / 1.0 = the full vocabulary
+    top_k: int = 0
+    top_p: float = 1.0
     # tokens per chunk of the fp32 log-softmax / entropy (rl_core.logprobs): bounds those intermediates to
     # logprob_chunk_tokens x vocab x 4 bytes (0.87 GiB at a 152k vocabulary by default)
     logprob_chunk_tokens: int = DEFAULT_LOGPROB_CHUNK_TOKENS
@@ -234,6 +238,10 @@ class PolicyConfig:
                 raise ConfigError(f"policy.{key} must be >= 1; got {getattr(self, key)}")
         if self.temperature <= 0:
             raise ConfigError(f"policy.temperature must be > 0; got {self.temperature}")
+        if self.top_k < 0:
+            raise ConfigError(f"policy.top_k must be >= 0 (0 = off); got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"policy.top_p must be in (0, 1] (1 = off); got {self.top_p}")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ConfigError(f"policy.max_grad_norm must be > 0, or null for no clipping; got {self.max_grad_norm}")
         if self.sequence_packing.enabled and self.dynamic_batching.enabled:

@@ -108,6 +108,16 @@ class ChecksModel(Protocol):
         """Raise ValueError naming the architecture and the supported ones if `model_dir` is not one."""
 
 
+@runtime_checkable
+class PadsSequences(Protocol):
+    """Optional for engine classes: the multiple the engine pads a sequence to, known from the config alone
+    (the trainer's prompt-length limit rounds by it, so that no admitted prompt fits no micro-batch)."""
+
+    @classmethod
+    def sequence_multiple(cls, policy: Any) -> int:
+        """The `seq_multiple` the engine passes to `rl_core.config.micro_batch_limits` for `policy`."""
+
+
 @dataclass(kw_only=True)
 class SamplingParams:
     n: int = 1

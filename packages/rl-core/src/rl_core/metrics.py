@@ -5,11 +5,13 @@ One rule for every engine: a loss returns each metric already divided by the *gl
 ranks. Keys ending in `_min` or `_max` are reduced with min / max instead.
 
 Over the optimizer steps of one GRPO step (`combine_optimizer_steps`) the means (losses, fractions, grad norm,
-lr) are averaged, the counts in `COUNT_KEYS` add up and `_min` / `_max` keys stay extremes.
+lr) are averaged, the counts in `COUNT_KEYS` add up and `_min` / `_max` keys stay extremes; `grad_norm` is
+averaged over the optimizer steps that were applied only (a skipped step's is NaN / inf).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
@@ -57,14 +59,30 @@ def combine_metrics(parts: Iterable[Mapping[str, Tensor | float]]) -> dict[str, 
 COUNT_KEYS = frozenset({"nonfinite_logprob_tokens", "num_micro_batches", "skipped"})
 
 
+def _applied(step: Mapping[str, float]) -> bool:
+    """Whether the optimizer step was applied: not flagged `skipped` and with a finite grad norm."""
+    return not float(step.get("skipped", 0.0)) and math.isfinite(float(step.get("grad_norm", 0.0)))
+
+
 def combine_optimizer_steps(steps: Sequence[Mapping[str, float]]) -> dict[str, float]:
     """One GRPO step's metrics from those of its optimizer steps (each already reduced over micro-batches
-    and DP ranks by `combine_metrics` / `all_reduce_metrics`)."""
+    and DP ranks by `combine_metrics` / `all_reduce_metrics`).
+
+    Means are averaged over the steps, counts (`COUNT_KEYS`, e.g. `skipped`) summed, `_min` / `_max` keys
+    keep the extreme. `grad_norm` is the mean over the *applied* optimizer steps only: a step the engine
+    skipped (`skipped` > 0, its grad norm NaN / inf) changed no weight, and averaging its norm in would
+    make the whole GRPO step's grad norm NaN although the other steps were fine. It is NaN only when
+    every step was skipped; how many were is the `skipped` count. The other metrics of a skipped step
+    (e.g. its NaN loss, `nonfinite_logprob_tokens`) are kept: they describe the batch, which was seen."""
     out: dict[str, float] = {}
+    applied = [step for step in steps if _applied(step)]
     for key in steps[0]:
         values = [float(step[key]) for step in steps]
         op = _reduce_op(key)
-        if op != "sum":
+        if key == "grad_norm":
+            kept = [float(step[key]) for step in applied]
+            out[key] = sum(kept) / len(kept) if kept else math.nan
+        elif op != "sum":
             out[key] = min(values) if op == "min" else max(values)
         else:
             out[key] = sum(values) if key in COUNT_KEYS else sum(values) / len(values)

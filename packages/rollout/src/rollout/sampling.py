@@ -1,9 +1,10 @@
 """Token sampling for the torch backend: temperature, top-k, top-p, seeded draws, sampled-token logprobs.
 
-Logprob convention (rl_core.logprobs): the reported logprob of a sampled token is
-log_softmax(logits / T)[token] in float32 over the FULL vocabulary, whatever top-k / top-p did to the
-sampling distribution, because that is what a trainer recomputes from the same weights. Greedy decoding
-(T = 0) reports the logprobs at T = 1.
+Logprob convention (rl_core.logprobs): the reported logprob of a sampled token is that of the distribution
+it was drawn from, log_softmax(logits / T) in float32 over the tokens top-k / top-p keep (all of them when
+neither is set), as vLLM reports it and as the engines recompute it with `policy.top_k` / `policy.top_p`.
+The kept set is rl_core.logprobs.truncation_cut's, the engines' own. Greedy decoding (T = 0) reports the
+logprobs at T = 1 over the full vocabulary.
 
 Draws use the exponential-race form of sampling (argmax of p / E with E ~ Exp(1)), which picks token i
 with probability p_i. E comes either from a seeded `torch.Generator` (one random tensor per step for the
@@ -22,6 +23,7 @@ import torch
 from torch import Tensor
 
 from rl_core.interfaces import SamplingParams
+from rl_core.logprobs import truncation_cut
 
 logger = logging.getLogger(__name__)
 
@@ -44,21 +46,12 @@ def filter_logits(logits_BV: Tensor, top_k: int, top_p: float) -> Tensor:
     """Set logits outside the top-k and outside the top-p nucleus to -inf (the argmax always survives).
 
     As HF's warpers and vLLM: top-k keeps every logit tied with the k-th largest; top-p keeps, of the top-k
-    tokens renormalised, the smallest set of most probable tokens holding >= top_p."""
+    tokens renormalised, the smallest set of most probable tokens holding >= top_p (and every logit tied
+    with the last of them: rl_core.logprobs.truncation_cut, the engines' definition)."""
     if top_k <= 0 and top_p >= 1.0:
         return logits_BV
-    vocab = logits_BV.shape[-1]
-    sorted_logits, order = logits_BV.sort(dim=-1, descending=True)  # (B, V)
-    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
-    if 0 < top_k < vocab:
-        drop[:, top_k:] = sorted_logits[:, top_k:] < sorted_logits[:, top_k - 1:top_k]  # ties with the k-th stay
-    if top_p < 1.0:
-        probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-        # A token is kept while the mass strictly before it is < top_p (so the top token is always kept).
-        mass_before = probs.cumsum(dim=-1) - probs
-        drop |= mass_before >= top_p
-    drop_V = torch.zeros_like(drop).scatter(-1, order, drop)
-    return logits_BV.masked_fill(drop_V, float("-inf"))
+    cut = truncation_cut(logits_BV, top_k, top_p)
+    return logits_BV.masked_fill(logits_BV < cut[:, None], float("-inf"))
 
 
 _MASK32 = 0xFFFFFFFF
@@ -174,7 +167,7 @@ def sample_next(
     # argmax(p / E) == argmax(log p - log E), and log p differs from `filtered` by a per-row constant:
     # no softmax over the vocabulary is needed to draw. In place: no further (B, V) temporaries.
     tokens = race.log_().neg_().add_(filtered).argmax(dim=-1)
-    return tokens, _token_logprobs(scaled, tokens)
+    return tokens, _token_logprobs(filtered, tokens)
 
 
 def _token_logprobs(logits_BV: Tensor, tokens_B: Tensor) -> Tensor:

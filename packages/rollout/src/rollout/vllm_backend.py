@@ -6,10 +6,9 @@ scripts/vllm_lane.sh), imported inside this class only.
 
 Logprob convention: the engine is started with `logprobs_mode="processed_logprobs"`, so the logprob of a
 sampled token is log_softmax(logits / T) in float32, as rl_core.logprobs computes it (greedy: T = 1).
-With top-k / top-p active, vLLM reports logprobs of the truncated, renormalised distribution instead
-(vllm/v1/sample/ops/topk_topp_sampler.py: the log_softmax runs after apply_top_k_top_p, and no
-logprobs_mode gives the full distribution at logits / T): a warning says so once, and the trainer's
-importance correction sees the difference.
+With top-k / top-p that is the log_softmax over the tokens they keep (vllm/v1/sample/ops/topk_topp_sampler.py
+runs it after apply_top_k_top_p), which the engines recompute with the same `policy.top_k` / `top_p`; vLLM
+breaks ties at the top-p boundary by sort order where rl_core keeps every tied token.
 
 Seeds: vLLM seeds the n samples of a request seed, seed + 1, ... (vllm/v1/engine/parallel_sampling.py),
 whatever the prompt, so one `params.seed` for every prompt would draw the same noise for each prompt's
@@ -166,9 +165,6 @@ class VLLMGenerationBackend:
 
     # module -> install command: what a launcher can check before it starts the processes that build this
     required_modules = {"vllm": INSTALL_HINT}
-    # With top-k / top-p, sampled-token logprobs are of the truncated, renormalised distribution, not rl-core's
-    # full distribution at logits / T (module docstring): a trainer comparing them with its own must refuse.
-    truncated_logprobs = True
 
     def __init__(
         self,
@@ -214,17 +210,12 @@ class VLLMGenerationBackend:
             logprobs_mode="processed_logprobs",
             **llm_kwargs,
         )
-        self._warned_truncated = False
         self._shapes = checkpoint_shapes(self.model_path)  # for strict refit checks; empty for .bin checkpoints
         self._tied_embeddings = bool(getattr(self.llm.model_config.hf_text_config, "tie_word_embeddings", False))
         logger.info("vllm generation backend: %s (tp=%d, refit via %s%s)", self.model_path, tensor_parallel_size,
                     self._refit, "" if enable_sleep_mode else "; sleep mode off: sleep() will release no memory")
 
     def _vllm_params(self, params: SamplingParams, seed: int | None) -> Any:
-        if (params.top_p < 1.0 or params.top_k > 0) and params.temperature > 0 and not self._warned_truncated:
-            logger.warning("vLLM reports logprobs of the top-k/top-p truncated distribution; rl-core's "
-                           "convention is the full distribution at logits / T (expect a small IS mismatch)")
-            self._warned_truncated = True
         return self._vllm.SamplingParams(
             n=params.n,
             temperature=params.temperature,
