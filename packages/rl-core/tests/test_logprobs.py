@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rl_core.logprobs import vocab_parallel_logprobs
+from rl_core.logprobs import truncation_cut, vocab_parallel_logprobs
 from rl_core.testing.distributed import run_distributed
 from rl_core.testing.memory import LargestTensors, PeakLiveTensors
 from rl_core.testing.truncation import truncated_log_softmax
@@ -182,18 +182,15 @@ def test_truncation_keeps_ties_with_the_cut() -> None:
         assert (keep.sum(-1) > max(top_k, 1)).any()  # the test has ties at the boundary
 
 
-@pytest.mark.parametrize("candidates", [3, 1024])
-def test_top_p_cut_from_the_largest_logits_or_the_sorted_row(monkeypatch, candidates: int) -> None:
-    """Top-p first looks among each row's TOP_P_CANDIDATES largest logits; a row whose candidates hold less than
-    top_p is sorted whole. Peaked rows (a few tokens hold the nucleus) and flat ones (they do not) get the kept
-    set of the float64 definition either way."""
-    import rl_core.logprobs
-
-    monkeypatch.setattr(rl_core.logprobs, "TOP_P_CANDIDATES", candidates)
+@pytest.mark.parametrize("candidates", [3, 1024, None])
+def test_top_p_cut_from_the_largest_logits_or_the_sorted_row(candidates: int | None) -> None:
+    """Top-p first looks among each row's `candidates` largest logits; a row whose candidates hold less than
+    top_p is sorted whole (None: every row is). Peaked rows (a few tokens hold the nucleus) and flat ones (they
+    do not) get the kept set of the float64 definition either way."""
     torch.manual_seed(8)
     logits = torch.cat([torch.randn(6, 60) * 8, torch.randn(6, 60) * 0.3])  # peaked, then flat rows
     for top_k, top_p in ((0, 0.7), (0, 0.95), (20, 0.8), (2, 0.99)):
-        cut = rl_core.logprobs.truncation_cut(logits, top_k, top_p)
+        cut = truncation_cut(logits, top_k, top_p, candidates=candidates)
         kept = torch.isfinite(truncated_log_softmax(logits, top_k, top_p))
         assert torch.equal(logits >= cut[:, None], kept), (top_k, top_p)
     # with 3 candidates the flat rows need more than 3 tokens, so both ways were taken

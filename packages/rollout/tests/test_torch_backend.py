@@ -107,6 +107,29 @@ def test_top_k_top_p_filter_equals_a_float64_reference(hf_ref):
     assert torch.isfinite(filter_logits(hand, 2, 0.6)).sum() == 4  # of the 4 top-2 tokens: p = .48, .17, ...
 
 
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (20, 1.0), (0, 0.9), (20, 0.9)])
+def test_sampling_reads_no_value_on_the_host(top_k, top_p):
+    """The paged decoder captures sampling in a CUDA graph (top-k / top-p included), where a host read of a
+    device value (`.item()`, `bool(t)`, a boolean mask index) fails the capture: none here, at a vocabulary
+    larger than the engines' top-p candidate count (whose fallback does read one)."""
+    from rl_core.testing.host_reads import HostReads
+    from rollout.sampling import row_keys, sample_next
+
+    class Sampler(torch.nn.Module):
+        def forward(self, logits):
+            params = SamplingParams(temperature=0.8, top_k=top_k, top_p=top_p)
+            keys = row_keys(7, torch.arange(logits.shape[0]))
+            return sample_next(logits, params, keys_B=keys, steps_B=torch.zeros_like(keys))
+
+    sampler = Sampler()
+    logits = torch.randn(4, 3000) * 0.1  # flat: 1024 candidates hold less than top_p
+    sampler(logits)  # warm-up, as before a capture: a one-time (cached) check of the int32 hash reads one
+    with HostReads([sampler]) as reads:
+        tokens, logprobs = sampler(logits)
+    assert reads.count == 0, reads.where
+    assert torch.isfinite(logprobs).all() and tokens.shape == (4,)
+
+
 @pytest.mark.parametrize("decode", DECODE_PATHS)
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 3, 1.0), (0.7, 0, 0.5)], ids=["top-k-3", "top-p-0.5"])
 def test_sampled_tokens_lie_in_the_hf_top_k_top_p_set(tiny_ckpt, prompts, hf_ref, decode, temperature, top_k, top_p):

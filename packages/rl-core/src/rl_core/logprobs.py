@@ -35,28 +35,38 @@ _DROPPED = -1e30
 TOP_P_CANDIDATES = 1024
 
 
-def truncation_cut(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+def truncation_cut(logits: Tensor, top_k: int = 0, top_p: float = 1.0, *,
+                   candidates: int | None = TOP_P_CANDIDATES) -> Tensor:
     """Per row of `logits` (N, V), the smallest logit a top-k / top-p sampler keeps -> (N,) of the logits' dtype.
 
     The kept set is every logit >= the cut, so ties with the boundary stay (as HF's and vLLM's top-k; their
     top-p breaks such ties by sort position, which is not reproducible). Top-k first, then top-p over the
     renormalised top-k: the smallest set of most probable tokens whose mass reaches top_p (a token is kept
     while the mass of those above it is < top_p, so the largest logit always is). -inf where neither binds.
+    `candidates`: how many of a row's largest logits top-p looks among before sorting the rows they do not
+    cover, which reads a value on the host; None sorts every row, with no host read (a CUDA graph captures
+    the generator's sampling).
     """
     rows, vocab = logits.shape
     top_k_binds = 0 < top_k < vocab
     if top_p >= 1.0:
         return logits.topk(top_k, dim=-1).values[:, -1] if top_k_binds else logits.new_full((rows,), float("-inf"))
-    ordered = logits.topk(top_k if top_k_binds else min(TOP_P_CANDIDATES, vocab), dim=-1).values  # descending
+    if top_k_binds:  # top-p renormalises top-k's set: its candidates are the top-k (ties aside: see below)
+        ordered = logits.topk(top_k, dim=-1).values
+    elif candidates is None or candidates >= vocab:
+        ordered = logits.sort(dim=-1, descending=True).values
+    else:
+        ordered = logits.topk(candidates, dim=-1).values  # descending
     cut = ordered[:, -1] if top_k_binds else logits.new_full((rows,), float("-inf"))
     # top-k's set with its ties, or the whole row: the distribution top-p renormalises
     lse = torch.logsumexp(logits.float().masked_fill(logits < cut[:, None], float("-inf")), dim=-1)
     nucleus_cut, held = _nucleus_cut(ordered, lse, top_p)
-    # A row's candidates fall short only without top-k (whose candidates are its whole set, ties aside: then
-    # every candidate is kept and the cut is top-k's own, which keeps the ties)
-    short = ~held if not top_k_binds and ordered.shape[-1] < vocab else held.new_zeros(())
-    if short.any():
-        nucleus_cut[short] = _nucleus_cut(logits[short].sort(dim=-1, descending=True).values, lse[short], top_p)[0]
+    # Top-k's candidates never fall short: when all are kept the cut is top-k's own, which keeps the ties.
+    if not top_k_binds and ordered.shape[-1] < vocab:
+        short = ~held
+        if short.any():
+            nucleus_cut[short] = _nucleus_cut(logits[short].sort(dim=-1, descending=True).values, lse[short],
+                                              top_p)[0]
     return torch.maximum(cut, nucleus_cut)
 
 

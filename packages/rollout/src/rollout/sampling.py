@@ -50,7 +50,7 @@ def filter_logits(logits_BV: Tensor, top_k: int, top_p: float) -> Tensor:
     with the last of them: rl_core.logprobs.truncation_cut, the engines' definition)."""
     if top_k <= 0 and top_p >= 1.0:
         return logits_BV
-    cut = truncation_cut(logits_BV, top_k, top_p)
+    cut = truncation_cut(logits_BV, top_k, top_p, candidates=None)  # no host read: CUDA graphs capture this
     return logits_BV.masked_fill(logits_BV < cut[:, None], float("-inf"))
 
 
