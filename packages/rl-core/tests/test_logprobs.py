@@ -239,3 +239,42 @@ def test_truncated_logprobs_under_tensor_parallel_equal_the_float64_definition(l
     grad = torch.cat([r[4] for r in results], dim=-1)[:, :50]
     torch.testing.assert_close(grad.double(), ref_grad[:, :50], rtol=1e-6, atol=2e-6)
     assert torch.isfinite(torch.cat([r[4] for r in results], dim=-1)).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.9), (50, 0.95)])
+def test_truncated_kernel_on_cuda_equals_a_float64_reference(top_k: int, top_p: float) -> None:
+    """bf16 logits at a 152k vocabulary on the GPU: peaked rows (the top-p candidates hold the nucleus) and
+    flat rows (the sorted fallback), against a float64 CPU computation of the same definition (sorted here:
+    the pairwise reference is too big at this vocabulary)."""
+    torch.manual_seed(9)
+    tokens, temperature = 64, 0.8
+    logits = torch.randn(tokens, QWEN_VOCAB) * 1.5
+    logits[: tokens // 2, :300] += 10.0
+    logits = logits.to(torch.bfloat16)
+    targets = torch.randint(0, 300, (tokens,))
+    weights = torch.linspace(-1, 2, tokens)
+    leaf_ref = logits.double().requires_grad_()
+    x = leaf_ref / temperature
+    z = x.detach()
+    keep = torch.ones_like(z, dtype=torch.bool)
+    if top_k:
+        keep &= z >= z.topk(top_k, dim=-1).values[:, -1:]
+    ordered = z.masked_fill(~keep, float("-inf")).sort(dim=-1, descending=True).values
+    probs = torch.softmax(ordered, -1)
+    count = (probs.cumsum(-1) - probs < top_p).sum(-1, keepdim=True)
+    keep &= z >= ordered.gather(-1, count - 1)
+    keep[torch.arange(tokens), targets] = True
+    logp = torch.log_softmax(x.masked_fill(~keep, float("-inf")), -1)
+    ref_lp = logp.gather(-1, targets[:, None])[:, 0]
+    (ref_lp * weights.double()).sum().backward()
+    ref_entropy = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1).detach()
+    leaf = logits.to("cuda").requires_grad_()
+    lp, entropy = vocab_parallel_logprobs(leaf, targets.to("cuda"), temperature=temperature, chunk_tokens=16,
+                                          with_entropy=True, top_k=top_k, top_p=top_p)
+    (lp * weights.to("cuda")).sum().backward()
+    torch.testing.assert_close(lp.cpu().double(), ref_lp.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy.cpu().double(), ref_entropy, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(leaf.grad.cpu().double(), leaf_ref.grad, rtol=1e-2, atol=1e-5)  # a bf16 gradient
+    if not top_k:  # both of top-p's ways ran: within the 1024 candidates, and the sort
+        assert keep[: tokens // 2].sum(-1).max() <= 1024 < keep[tokens // 2:].sum(-1).min()
