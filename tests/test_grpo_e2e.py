@@ -211,3 +211,52 @@ def test_kill_at_random_points_then_resume_matches_the_uninterrupted_run(tmp_pat
     if newest is not None:  # it continued from the newest checkpoint the kills left (all of them intact)
         assert f"resumed from {ckpt_dir}/step_{newest} at step {newest}" in (tmp_path / "killed.log").read_text()
     assert _comparable(records) == reference
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how, code, line", [
+    ("SIGTERM", 143, "run stopped: terminated (SIGTERM)"),
+    ("SIGINT", 130, "run stopped: interrupted (SIGINT)"),
+    ("SIGKILL policy rank 0", 1, "run stopped: policy rank 0 (pid {pid}) died"),
+])
+def test_a_stopped_run_exits_promptly_with_one_line_and_leaves_no_process(tmp_path, how, code, line):
+    """SIGTERM / Ctrl-C to the driver, or a policy worker killed, mid-run: the run stops within seconds with
+    its exit code and a last line naming what stopped it and the checkpoint a rerun resumes from, every process
+    it started (Ray's included) is gone, and every published checkpoint is whole. Before: SIGTERM aborted the
+    driver (exit -6, Ray's C++ handler, no cleanup), Ctrl-C exited 1 with a traceback, a dead actor left Ray's
+    traceback naming a class and an actor id."""
+    import psutil
+
+    from rl_core.checkpoint_io import verify_manifest
+
+    log_dir, log = tmp_path / "run", tmp_path / "run.log"
+    env = {**os.environ, "RL_STACK_CACHE": str(tmp_path / "cache")}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(grpo_command(log_dir, "grpo.max_steps=200", "grpo.val_every=0", "logger.plot=false",
+                                             "checkpointing.save_every=1"),
+                                cwd=ROOT, env=env, stdout=out, stderr=out, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while not (log_dir / "checkpoints/step_1").exists():  # mid-run, with a checkpoint to resume from
+            assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        driver = psutil.Process(proc.pid)
+        started = [driver, *driver.children(recursive=True)]  # Ray's GCS, raylet, workers, reward pool
+        if how == "SIGKILL policy rank 0":
+            victim = next(p for p in started if "ray::PolicyWorker" in " ".join(p.cmdline()))
+            line = line.format(pid=victim.pid)
+            victim.kill()
+        else:
+            driver.send_signal(getattr(signal, how))
+        start = time.monotonic()
+        assert proc.wait(timeout=60) == code, log.read_text()[-3000:]
+        assert time.monotonic() - start < 20
+        last = [entry for entry in log.read_text().splitlines() if " ERROR grpo: " in entry][-1]
+        assert line in last and f"the same command resumes from {log_dir}/checkpoints/step_" in last, last
+        _, alive = psutil.wait_procs(started, timeout=20)
+        assert not alive, [" ".join(p.cmdline()) for p in alive]
+        for step_dir in (log_dir / "checkpoints").glob("step_*"):
+            verify_manifest(step_dir)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

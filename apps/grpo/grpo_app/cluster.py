@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -77,6 +78,41 @@ def start_ray(cfg: GRPOConfig) -> None:
     # machine (ray.init() would join it, and then refuses num_cpus)
     ray.init(address="local", num_cpus=cfg.cluster.num_cpus or os.cpu_count(), include_dashboard=False,
              _node_ip_address=LOOPBACK, log_to_driver=True, configure_logging=False)
+
+
+# Every actor's role in the run, by Ray actor id: Ray's errors name an actor by id and class only, and a run
+# that stops on one should say "policy rank 1", not "PolicyWorker 219c71...". Filled as Workers creates actors
+# (also while it starts: an actor can fail in its constructor).
+ROLES: dict[str, str] = {}
+
+
+def _role(actor: Any, role: str) -> Any:
+    ROLES[actor._actor_id.hex()] = role
+    return actor
+
+
+def describe_failure(exc: ray.exceptions.RayError) -> str:
+    """One line for the failure of an actor call: which actor (role, pid) and the original exception."""
+    def last_line(text: str) -> str:
+        return next((line.strip() for line in reversed(text.splitlines()) if line.strip()), "")[:300]
+
+    if isinstance(exc, ray.exceptions.RayTaskError):  # the actor method raised; the cause is the worker's own
+        # What ray.get raises keeps only the cause; actor, method and pid are left in its first line:
+        # "ray::PolicyWorker.train() (pid=14127, ip=127.0.0.1, actor_id=3990b4..., repr=...)"
+        header = str(exc).split("\n", 1)[0]
+        actor, method, pid = (re.search(pattern, header) for pattern in (r"actor_id=(\w+)", r"ray::([\w.]+)", r"pid=(\d+)"))
+        role = ROLES.get(actor.group(1), "a Ray actor") if actor else "a Ray task"
+        cause = exc.cause if exc.cause is not None else exc
+        return (f"{role}{f' (pid {pid.group(1)})' if pid else ''} failed{f' in {method.group(1)}' if method else ''}: "
+                f"{type(cause).__name__}: {last_line(str(cause)) or '(no message)'}")
+    if isinstance(exc, ray.exceptions.RayActorError):
+        role = ROLES.get(exc.actor_id or "", "a Ray actor")
+        if exc.actor_init_failed:  # its constructor raised: the message ends with that exception
+            return f"{role} failed to start: {last_line(exc.error_msg)}"
+        pid = re.search(r"\bpid: (\d+)", exc.error_msg)
+        return (f"{role}{f' (pid {pid.group(1)})' if pid else ''} died: its process exited unexpectedly "
+                "(killed, out of memory, or crashed; Ray's account is above)")
+    return f"{type(exc).__name__}: {last_line(str(exc))}"
 
 
 def _split(items: Sequence[Any], parts: int) -> list[list[Any]]:
@@ -275,8 +311,8 @@ class Workers:
         master = placement.rendezvous(0)  # policy rank 0's node hosts the training process group's store
         with_reference = cfg.loss.kl_coef != 0.0
         self.policy = [
-            PolicyWorker.options(**placement.policy_options(rank)).remote(
-                cfg.policy, rank, world, master, with_reference=with_reference, num_threads=threads)
+            _role(PolicyWorker.options(**placement.policy_options(rank)).remote(
+                cfg.policy, rank, world, master, with_reference=with_reference, num_threads=threads), f"policy rank {rank}")
             for rank in range(world)
         ]
         path = refit_path(cfg)
@@ -288,16 +324,16 @@ class Workers:
             tp = generation_tp_size(cfg.generation.backend_kwargs)
         else:
             self.generators = [
-                GenerationWorker.options(**placement.generation_options(i)).remote(
+                _role(GenerationWorker.options(**placement.generation_options(i)).remote(
                     cfg.generation.backend, cfg.policy.model_name, cfg.generation.backend_kwargs,
-                    num_threads=threads)
+                    num_threads=threads), f"generation worker {i}")
                 for i in range(cfg.generation.num_workers)
             ]
             tp = 1  # a generation worker spawns its own tensor-parallel workers
         # one replica per group: its ranks get the same prompts (TP ranks step together), its first answers
         self.replicas = [self.generators[i : i + tp] for i in range(0, len(self.generators), tp)]
-        self.rewarders = [RewardWorker.options(num_cpus=0).remote(cfg.env.name, cfg.env.kwargs)
-                          for _ in range(cfg.env.num_workers)]
+        self.rewarders = [_role(RewardWorker.options(num_cpus=0).remote(cfg.env.name, cfg.env.kwargs), f"reward worker {i}")
+                          for i in range(cfg.env.num_workers)]
         self.local_env = None if self.rewarders else create_environment(cfg.env.name, **cfg.env.kwargs)
         # one thread: driver-side scoring overlaps generation but never runs twice at once
         self._scoring = ThreadPoolExecutor(max_workers=1, thread_name_prefix="score")

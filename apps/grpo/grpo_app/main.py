@@ -7,12 +7,17 @@ resumes from the newest intact checkpoint in the run directory if there is one, 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import signal
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
+import ray
 import yaml
 
-from grpo_app.build import RunInputs, find_resume_point, load_inputs
+from grpo_app.build import RunInputs, checkpoint_manager, find_resume_point, load_inputs
 from grpo_app.checkpoint import ResumePoint, check_prompts
 from grpo_app.config import GRPOConfig, load_config
 from grpo_app.preflight import preflight
@@ -23,39 +28,80 @@ logger = logging.getLogger("grpo")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="uv run apps/grpo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="uv run apps/grpo", description=__doc__.splitlines()[0],
+        epilog="examples:\n  uv run apps/grpo grpo.max_steps=5\n"
+               "  uv run apps/grpo --config gpu_1x policy.megatron_cfg.enabled=true\n"
+               "every key and its default: apps/grpo/README.md", formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML config file, or the name of a shipped one (e.g. gpu_1x; default: cpu_default)")
-    parser.add_argument("--log-level", default="INFO", help="Python logging level")
+    parser.add_argument("--log-level", default="INFO", type=str.upper,
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], help="Python logging level")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. grpo.max_steps=5")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # overrides may come before and after --config
+
+
+class Terminated(BaseException):
+    """The run got SIGTERM (main: exit 143); a BaseException, as KeyboardInterrupt, so that no `except
+    Exception` on the way up takes it for an error of its own."""
+
+
+@contextlib.contextmanager
+def sigterm_stops_the_run() -> Iterator[None]:
+    """Once Ray runs, SIGTERM ends the run as Ctrl-C does: the `finally` blocks kill the actors and close the
+    metrics files, and `Terminated` comes out. Without it, the C++ handler ray.init installs aborts the driver
+    (exit -6, a stack dump, no cleanup). Call after ray.init, which replaces any earlier handler."""
+    if threading.current_thread() is not threading.main_thread():  # handlers belong to the main thread
+        yield
+        return
+    received = []
+
+    def interrupt(signum: int, frame: object) -> None:
+        # A KeyboardInterrupt, not Terminated: raised while the driver blocks in ray.wait / ray.get, Ray turns a
+        # KeyboardInterrupt into one of its own and drops any other exception, and the wait goes on (measured:
+        # a SIGTERM raising Terminated during a generation did not stop the run).
+        received.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    except KeyboardInterrupt:
+        if received:
+            raise Terminated() from None
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def run_training(cfg: GRPOConfig, inputs: RunInputs, resume_point: ResumePoint | None = None) -> dict[str, float]:
     """Build the workers and run the loop (from `resume_point` if given); returns the final validation metrics."""
     from grpo_app.build import build_run, resume
+    from grpo_app.cluster import start_ray
 
     log_dir = Path(cfg.logger.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     (log_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     logger.info("resolved config (saved to %s):\n%s", log_dir / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    run = build_run(cfg, inputs, resume_point)
-    try:
-        from grpo_app.loop import train
+    start_ray(cfg)
+    with sigterm_stops_the_run():
+        run = build_run(cfg, inputs, resume_point)
+        try:
+            from grpo_app.loop import train
 
-        train(run, start_step=resume(run, resume_point))
-        if cfg.logger.plot:
-            logger.info("plot: %s", run.sink.plot(log_dir / "summary.png"))
-        logger.info("summary:\n%s", run.sink.summary())
-        _, val = run.sink.series("val/reward_mean")
-        return {"val_reward_first": val[0], "val_reward_last": val[-1]} if val else {}
-    finally:
-        run.sink.close()
-        run.workers.shutdown()
+            train(run, start_step=resume(run, resume_point))
+            if cfg.logger.plot:
+                logger.info("plot: %s", run.sink.plot(log_dir / "summary.png"))
+            logger.info("summary:\n%s", run.sink.summary())
+            _, val = run.sink.series("val/reward_mean")
+            return {"val_reward_first": val[0], "val_reward_last": val[-1]} if val else {}
+        finally:
+            run.sink.close()
+            run.workers.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:  # everything a run reads is checked here, before Ray or any worker starts
         cfg = preflight(load_config(args.config, args.overrides))
         inputs = load_inputs(cfg)
@@ -73,4 +119,25 @@ def main(argv: list[str] | None = None) -> int:
     except RewardFailureError as exc:  # the reward function is broken: one line, not a Ray traceback
         logger.error("%s", exc)
         return 1
+    except ray.exceptions.RayError as exc:  # an actor raised or died: its own traceback, then one line naming it
+        from grpo_app.cluster import describe_failure
+
+        logger.error("%s", exc)
+        logger.error("run stopped: %s%s", describe_failure(exc), _resume_hint(cfg))
+        return 1
+    except KeyboardInterrupt:
+        logger.error("run stopped: interrupted (SIGINT)%s", _resume_hint(cfg))
+        return 130
+    except Terminated:
+        logger.error("run stopped: terminated (SIGTERM)%s", _resume_hint(cfg))
+        return 143
     return 0
+
+
+def _resume_hint(cfg: GRPOConfig) -> str:
+    """Where a stopped run would go on from: checkpoints are published complete (renamed into place), so the
+    newest `step_N` is whole; a save the stop cut short left only a temporary directory, removed by the next."""
+    steps = checkpoint_manager(cfg).steps() if cfg.checkpointing.enabled else []
+    if not steps:
+        return "; no checkpoint yet: a new run starts from step 0"
+    return f"; the same command resumes from {Path(cfg.checkpoint_dir) / f'step_{steps[-1]}'}"

@@ -184,6 +184,27 @@ def test_a_slow_replacement_costs_other_calls_no_time(tmp_path, monkeypatch):
         pool.close()
 
 
+def test_a_worker_killed_while_idle_is_replaced_and_the_batch_scores(tmp_path, monkeypatch):
+    """A worker SIGKILLed between batches (the OOM killer, an operator): the next batch's send hit a broken
+    pipe and raised out of `run`, ending the whole training run (found by killing one in a live run); now the
+    call goes to a replacement and every call of the batch scores."""
+    import signal
+
+    (tmp_path / "slow_start_rewards.py").write_text(SLOW_START)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("SLOW_START_MARKER", str(tmp_path / "never"))
+    pool = RewardPool("slow_start_rewards:reward", num_workers=1, timeout_s=5.0)
+    try:
+        assert [o.status for o in pool.run([("p", "ok", {})])] == ["ok"]
+        dead = pool._workers[0].process
+        os.kill(dead.pid, signal.SIGKILL)
+        dead.join(timeout=5)
+        assert [o.status for o in pool.run([("p", "ok", {})] * 3)] == ["ok"] * 3
+        assert len(pool._workers) == 1 and pool._workers[0].process.pid != dead.pid
+    finally:
+        pool.close()
+
+
 SPAWNS_CHILD = textwrap.dedent('''
     import subprocess, sys
 

@@ -216,7 +216,13 @@ class RewardPool:
         while pending or busy:
             while pending and idle:
                 worker, task = idle.pop(), pending.popleft()
-                worker.conn.send((task, *calls[task]))
+                try:
+                    worker.conn.send((task, *calls[task]))
+                except OSError:  # it died while idle (OOM kill between batches): the call was never sent
+                    pending.appendleft(task)
+                    fresh = self._replace(worker)
+                    starting[fresh.conn] = fresh
+                    continue
                 busy[worker.conn] = (worker, task, time.monotonic() + self.timeout_s)
             if not busy and not starting:  # every worker died and no replacement could start
                 for task in pending:
