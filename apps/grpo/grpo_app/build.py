@@ -30,6 +30,7 @@ def load_prompts(cfg: GRPOConfig, tokenizer: Any, split: str) -> list[PromptExam
               "system_prompt": env.system_prompt}
     if path is not None:
         examples = load_prompt_dataset(path, tokenizer, **render)
+        check_prompt_fields(examples, env.name, f"env.{split}_data={path}")
     else:
         num = env.num_generated_train_prompts if split == "train" else cfg.grpo.num_val_prompts
         records = toy_prompts(env.name, num, split="train" if split == "train" else "validation",
@@ -38,6 +39,22 @@ def load_prompts(cfg: GRPOConfig, tokenizer: Any, split: str) -> list[PromptExam
     source = f"{split} ({path or env.name})"
     check_prompt_vocab(examples, model_vocab_size(cfg.policy.model_name), source)
     return drop_long_prompts(examples, cfg.prompt_token_limit, source)
+
+
+# The prompt-file fields a built-in environment's reward reads from every prompt's metadata (the row's fields
+# other than the prompt): rollout.rewards.math_answer reads metadata["answer"]. Without them every reward call
+# fails, which would stop the run only after Ray, the workers and the first generation.
+REQUIRED_PROMPT_FIELDS: dict[str, dict[str, str]] = {"math": {"answer": "the reference answer"}}
+
+
+def check_prompt_fields(examples: list[PromptExample], env_name: str, source: str) -> None:
+    """Every prompt of a file holds the fields the environment's reward reads."""
+    for field, meaning in REQUIRED_PROMPT_FIELDS.get(env_name, {}).items():
+        for number, example in enumerate(examples, start=1):
+            if example.metadata.get(field) is None:  # `datasets` fills a field that other rows have with None
+                fields = sorted(k for k, v in example.metadata.items() if v is not None)
+                raise ValueError(f"{source}: prompt {number} has no {field!r} field, which env.name={env_name} reads "
+                                 f"({meaning}); its other fields are {fields}: name that field {field!r} in the file")
 
 
 def model_vocab_size(model_dir: str) -> int | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -18,7 +19,14 @@ from typing import Any, Literal
 import yaml
 
 from grpo_app.devices import Hardware, detect_hardware, resolve_auto
-from rl_core.config import ConfigError, PolicyConfig, micro_batch_limits, parse_config, unknown_key_error
+from rl_core.config import (
+    ConfigError,
+    PolicyConfig,
+    closest_key,
+    micro_batch_limits,
+    parse_config,
+    unknown_key_error,
+)
 from rl_core.losses import LossConfig
 
 logger = logging.getLogger(__name__)
@@ -242,31 +250,67 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+# YAML 1.2 floats: PyYAML (YAML 1.1) reads `lr: 3e-4` (no dot) as the string '3e-4'; here it is a number,
+# in a file and on the command line alike.
+_UniqueKeyLoader.add_implicit_resolver("tag:yaml.org,2002:float",
+                                       re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+                                       list("-+0123456789."))
+
+
+def _yaml_error(exc: yaml.YAMLError, source: str | None) -> str:
+    """A YAML syntax error in one line: `file:line:column: not valid YAML: what` (a command-line value, `source`
+    None: `not valid YAML at column N: what`), and the usual fix where there is one."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc)
+    context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    if context and context_mark is not None and context_mark is not mark:
+        problem += f" ({context}" + (f" on line {context_mark.line + 1})" if source else ")")
+    if "'\\t'" in problem:
+        problem += "; indent with spaces, not tabs"
+    if source is None:
+        return f"not valid YAML{f' at column {mark.column + 1}' if mark else ''}: {problem}"
+    return f"{source}{f':{mark.line + 1}:{mark.column + 1}' if mark else ''}: not valid YAML: {problem}"
+
+
 def shipped_or_path(path: str | Path) -> Path:
     """`--config`: a file, or the name of a shipped config (`gpu_1x` or `gpu_1x.yaml`) where no such file is."""
     path = Path(path)
-    if path.is_file() or path.parent != Path("."):
+    if path.is_file():
         return path
-    shipped = CONFIG_DIR / (path.name if path.suffix == ".yaml" else f"{path.name}.yaml")
-    return shipped if shipped.is_file() else path
+    return _shipped(path) or path
 
 
-def load_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
-    """Read a YAML config, resolving `defaults: other.yaml` (relative to the file) recursively."""
+def _shipped(name: str | Path) -> Path | None:
+    """The shipped config a bare name (`gpu_1x`, `gpu_1x.yaml`) stands for, if there is one."""
+    name = Path(name)
+    if name.parent != Path("."):
+        return None
+    shipped = CONFIG_DIR / (name.name if name.suffix == ".yaml" else f"{name.name}.yaml")
+    return shipped if shipped.is_file() else None
+
+
+def load_yaml(path: str | Path, _seen: tuple[Path, ...] = (), key_lines: dict[str, str] | None = None) -> dict:
+    """Read a YAML config, resolving `defaults: other.yaml` (relative to the file) recursively; `key_lines`, if
+    given, receives the `file:line` that sets each dotted key (the last file to set it)."""
     path = Path(path).resolve()
     if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist (--config); shipped configs: {sorted(p.name for p in CONFIG_DIR.glob('*.yaml'))}")
+        shipped = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+        near = closest_key(path.stem, shipped)
+        hint = f"did you mean --config {near}? " if near else ""
+        raise ConfigError(f"config file {path} does not exist (--config); {hint}shipped configs: "
+                          f"{[f'{name}.yaml' for name in shipped]}")
     if path in _seen:
         raise ConfigError(f"config 'defaults:' cycle: {' -> '.join(str(p) for p in (*_seen, path))}")
     try:
         loader = _UniqueKeyLoader(path.read_text())
         loader.name = str(path)  # marks (line numbers in errors) name the file
         try:
-            data = loader.get_single_data()
+            node = loader.get_single_node()
+            data = loader.construct_document(node) if node is not None else None
         finally:
             loader.dispose()
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+        raise ConfigError(_yaml_error(exc, str(path))) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -275,17 +319,43 @@ def load_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
     parents = data.pop("defaults", None)
     merged: dict = {}
     for parent in [parents] if isinstance(parents, str) else parents or []:
-        if not (path.parent / parent).is_file():
+        parent_path = path.parent / parent
+        if not parent_path.is_file():  # else a shipped config by name, as with --config
+            parent_path = _shipped(parent) or parent_path
+        if not parent_path.is_file():
+            shipped = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+            near = closest_key(Path(parent).stem, shipped)
             raise ConfigError(f"{path}: 'defaults: {parent}' names no file ({path.parent / parent}); paths are "
-                              "relative to the file that names them")
-        merged = _merge(merged, load_yaml(path.parent / parent, (*_seen, path)))
+                              "relative to the file that names them, or the name of a shipped config"
+                              f"{f' (did you mean {near}?)' if near else ''}: {shipped}")
+        merged = _merge(merged, load_yaml(parent_path, (*_seen, path), key_lines))
+    if key_lines is not None:
+        _record_key_lines(node, str(path), "", key_lines)
     return _merge(merged, data)
+
+
+def _record_key_lines(node: yaml.Node, path: str, prefix: str, key_lines: dict[str, str]) -> None:
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            if isinstance(key_node, yaml.ScalarNode):
+                key_lines[prefix + key_node.value] = f"{path}:{key_node.start_mark.line + 1}"
+                _record_key_lines(value_node, path, f"{prefix}{key_node.value}.", key_lines)
+
+
+def _with_file_line(exc: ConfigError, key_lines: dict[str, str]) -> ConfigError:
+    """`exc` prefixed with the file and line that set the config key it is about, the first it names, quoted or
+    dotted (none for a key that came from the command line)."""
+    first = re.search(r"'([a-z_][\w.-]*)'|\b([a-z_]+(?:\.[\w-]+)+)", str(exc))
+    key = first and (first[1] or first[2])
+    return ConfigError(f"{key_lines[key]}: {exc}") if key in key_lines else exc
 
 
 def apply_override(data: dict, assignment: str) -> None:
     """Apply one `dotted.key=value` (value parsed as YAML) in place; unknown paths fail at validation."""
     if "=" not in assignment:
-        raise ConfigError(f"override {assignment!r} is not of the form dotted.key=value")
+        raise ConfigError(f"override {assignment!r} is not of the form dotted.key=value; give each override as one "
+                          "argument, without spaces around '=' (grpo.max_steps=5; quote a value with spaces: "
+                          "'env.system_prompt=Be brief.')")
     dotted, raw = assignment.split("=", 1)
     keys = dotted.strip().split(".")
     node = data
@@ -294,14 +364,25 @@ def apply_override(data: dict, assignment: str) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"override {dotted!r}: '{'.'.join(keys[: depth + 1])}' is a value, not a section")
         node = child
-    node[keys[-1]] = parse_value(raw)
+    value = parse_value(raw, dotted.strip())
+    old = node.get(keys[-1])
+    if isinstance(old, dict) and isinstance(value, dict) and set(old) - set(value):
+        logger.warning("%s={...} replaces the whole mapping: dropping %s (to change one entry, override "
+                       "%s.<key>=value)", dotted.strip(), sorted(set(old) - set(value)), dotted.strip())
+    node[keys[-1]] = value
 
 
-def parse_value(raw: str) -> Any:
-    """A command-line value as YAML, except that `3e-4` is a number (YAML 1.1 would keep it a string)."""
+def parse_value(raw: str, key: str = "value") -> Any:
+    """A command-line value as YAML (`3e-4` a number, as in the config files)."""
     if not raw.strip():
         return None
-    value = yaml.safe_load(raw)
+    try:
+        value = yaml.load(raw, Loader=_UniqueKeyLoader)  # a SafeLoader, as for the files
+    except ConfigError as exc:  # a duplicate key in an inline mapping
+        raise ConfigError(f"override {key}={raw}: {exc}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {key}={raw} is {_yaml_error(exc, None)}; close its brackets and quotes, or "
+                          f"quote the whole value as a YAML string ({key}='\"...\"')") from None
     if isinstance(value, str):
         try:
             return float(value) if any(c in value for c in ".eE") else int(value)
@@ -316,16 +397,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (),
     `auto` resolved for `hardware` (default: this machine's) and the refit layout checked."""
     from grpo_app.refit import refit_path
 
-    data = load_yaml(shipped_or_path(path) if path else DEFAULT_CONFIG)
+    key_lines: dict[str, str] = {}
+    data = load_yaml(shipped_or_path(path) if path else DEFAULT_CONFIG, key_lines=key_lines)
     file_env = copy.deepcopy(data.get("env")) if isinstance(data.get("env"), dict) else {}
     for assignment in overrides:
         apply_override(data, assignment)
+        dotted = assignment.split("=", 1)[0].strip()  # now set on the command line, not in a file
+        key_lines = {k: v for k, v in key_lines.items() if k != dotted and not k.startswith(dotted + ".")}
     _reset_env_kwargs(data, file_env, overrides)
     names = [f for f in GRPOConfig.__dataclass_fields__]
-    for key in data:
-        if key not in names:
-            raise unknown_key_error("", key, names)
-    cfg = parse_config(GRPOConfig, resolve_auto(data, hardware or detect_hardware()))
+    try:
+        for key in data:
+            if key not in names:
+                raise unknown_key_error("", key, names)
+        cfg = parse_config(GRPOConfig, resolve_auto(data, hardware or detect_hardware()))
+    except ConfigError as exc:
+        raise _with_file_line(exc, key_lines) from None
     refit_path(cfg)  # a placement that cannot work fails here, naming the keys
     return cfg
 

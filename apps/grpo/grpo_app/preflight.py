@@ -9,6 +9,7 @@ Every failure is a ConfigError naming the key or file and the fix; main() turns 
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import importlib.util
 import inspect
@@ -92,15 +93,34 @@ def check_kwargs(target: Callable[..., Any], kwargs: dict[str, Any], key: str, *
 PLAIN_TYPES = (str, int, float, bool, type(None))
 
 
+SEQUENCES = (list, tuple, collections.abc.Sequence)
+
+
 def _check_plain_type(key: str, value: Any, annotation: Any) -> None:
     allowed = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
-    if not allowed or not all(t in PLAIN_TYPES for t in allowed):
-        return  # anything richer (lists, dicts, classes) is the callee's to check
-    accepted = set(allowed) | ({int} if float in allowed else set())  # YAML writes 1.0 as 1 too
-    if type(value) not in accepted:
-        names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
-        raise ConfigError(f"{key} must be {names}; got {type(value).__name__} {value!r} (quote strings that "
-                          "YAML would read as numbers)")
+    if not allowed or not all(t in PLAIN_TYPES or _plain_sequence(t) for t in allowed):
+        return  # anything richer (dicts, classes, nested lists) is the callee's to check
+    if not any(_is(value, t) for t in allowed):
+        names = " or ".join("null" if t is type(None) else _type_name(t) for t in allowed)
+        hint = " (a list is written [1, 2])" if any(map(_plain_sequence, allowed)) else ""
+        hint = " (quote strings that YAML would read as numbers)" if str in allowed else hint
+        raise ConfigError(f"{key} must be {names}; got {type(value).__name__} {value!r}{hint}")
+
+
+def _plain_sequence(t: Any) -> bool:
+    """`list[int]`, `Sequence[str]`, ...: a sequence of one plain type."""
+    args = typing.get_args(t)
+    return typing.get_origin(t) in SEQUENCES and len(args) == 1 and args[0] in PLAIN_TYPES
+
+
+def _is(value: Any, t: Any) -> bool:
+    if _plain_sequence(t):
+        return isinstance(value, list | tuple) and all(_is(v, typing.get_args(t)[0]) for v in value)
+    return type(value) in ({t, int} if t is float else {t})  # YAML writes 1.0 as 1 too
+
+
+def _type_name(t: Any) -> str:
+    return f"a list of {typing.get_args(t)[0].__name__}" if _plain_sequence(t) else t.__name__
 
 
 def check_optimizer(optimizer: OptimizerConfig) -> None:
@@ -121,8 +141,10 @@ def check_optimizer(optimizer: OptimizerConfig) -> None:
     try:
         cls([torch.nn.Parameter(torch.zeros(1))], **optimizer.kwargs)
     except (ValueError, TypeError) as exc:
+        listed = [k for k, v in optimizer.kwargs.items() if isinstance(v, str) and "," in v]  # betas=0.9,0.95
+        hint = f" (policy.optimizer.kwargs.{listed[0]} is a string: write a list as [a, b])" if listed else ""
         raise ConfigError(f"policy.optimizer.kwargs {optimizer.kwargs} are rejected by torch.optim."
-                          f"{optimizer.name}: {exc}") from None
+                          f"{optimizer.name}: {exc}{hint}") from None
 
 
 def _model_parallel(engine_cfg: Any) -> dict[str, int]:
@@ -217,10 +239,7 @@ def resolve_model(cfg: GRPOConfig) -> GRPOConfig:
     if name.startswith(SHAPE_PREFIX):
         name = str(cached_shape_checkpoint(name[len(SHAPE_PREFIX):], seed=cfg.grpo.seed))
     if not (Path(name) / "config.json").is_file():
-        raise ConfigError(
-            f"policy.model_name={name!r} is not a local Hugging Face checkpoint directory (no config.json); "
-            "point it at a directory saved with save_pretrained, or use tiny:<arch> for a local toy model"
-        )
+        raise ConfigError(model_dir_problem(name))
     # absolute: Ray workers resolve a relative path in their own working directory (the raylet's), not ours
     name = str(Path(name).absolute())
     policy = dataclasses.replace(cfg.policy, model_name=name)
@@ -229,6 +248,21 @@ def resolve_model(cfg: GRPOConfig) -> GRPOConfig:
         policy = dataclasses.replace(policy, megatron_cfg={**policy.megatron_cfg,
                                                            "converted_checkpoint_dir": str(Path(cache).absolute())})
     return dataclasses.replace(cfg, policy=policy)
+
+
+def model_dir_problem(name: str) -> str:
+    """Why `policy.model_name` is no local checkpoint directory: missing, a Hub id (nothing is downloaded), or a
+    directory without config.json."""
+    path = Path(name).expanduser()
+    fix = "point it at a directory saved with save_pretrained, or use tiny:<arch> for a local toy model"
+    if not path.exists():
+        parts = name.split("/")
+        if len(parts) == 2 and all(parts) and not name.startswith((".", "~")):  # e.g. Qwen/Qwen2.5-0.5B
+            return (f"policy.model_name={name!r}: no such local directory ({path.absolute()}); the trainer downloads "
+                    f"nothing, so a Hugging Face Hub id must be fetched first (hf download {name} --local-dir "
+                    f"models/{parts[1]}), then set policy.model_name=models/{parts[1]}")
+        return f"policy.model_name={name!r}: no such directory ({path.absolute()}); {fix}"
+    return f"policy.model_name={name!r} is not a local Hugging Face checkpoint directory (no config.json); {fix}"
 
 
 def check_environment(cfg: GRPOConfig) -> None:
@@ -247,8 +281,11 @@ def check_environment(cfg: GRPOConfig) -> None:
             raise ConfigError(f"env.{key}={path!r}: {problem}")
     if cfg.env.train_data is None or (cfg.env.val_data is None and cfg.grpo.val_every):
         if cfg.env.name not in TOY_TASKS:
-            raise ConfigError(f"env.name={cfg.env.name!r} has no built-in prompts; set env.train_data and "
-                              "env.val_data to local prompt files")
+            if cfg.env.train_data is None:
+                raise ConfigError(f"env.name={cfg.env.name!r} has no built-in prompts; set env.train_data and "
+                                  "env.val_data to local prompt files (or grpo.val_every=0 for no validation)")
+            raise ConfigError(f"env.name={cfg.env.name!r} has no built-in prompts to validate on; set env.val_data to "
+                              "a local prompt file, or grpo.val_every=0 for no validation")
         check_kwargs(TOY_TASKS[cfg.env.name][0], cfg.env.prompt_kwargs, "env.prompt_kwargs",
                      given=("num", "split", "seed"))
         try:

@@ -191,3 +191,104 @@ def test_prompt_limit_rounds_by_the_engines_padding_multiple():
     batching.plan(batch(1024), policy, settings, training=True)
     with pytest.raises(ValueError, match=r"length 1026 \(1028 after round_to=4\) > max_tokens=1026"):
         batching.plan(batch(1026), policy, settings, training=True)
+
+
+# ---- the mistakes new users make: each one line naming the key, the file and line, and the fix ----------
+
+
+def test_exponent_without_a_dot_is_a_number_in_files_and_overrides(tmp_path):
+    """YAML 1.1 (PyYAML) reads `3e-4` as a string; the trainer's YAML reads it as the number it means."""
+    path = write(tmp_path / "c.yaml", "policy:\n  model_name: m\n  optimizer: {kwargs: {lr: 3e-4}}\n"
+                                      "  scheduler: {min_lr_ratio: 1E-2}\n")
+    cfg = load_config(path)
+    assert cfg.policy.optimizer.kwargs["lr"] == 3e-4 and cfg.policy.scheduler.min_lr_ratio == 1e-2
+    assert load_config(path, ["policy.optimizer.kwargs={lr: 1e-4}"]).policy.optimizer.kwargs == {"lr": 1e-4}
+    assert load_config(path, ["logger.log_dir=e5"]).logger.log_dir == "e5"  # still a string
+
+
+def test_yaml_syntax_error_is_one_line_naming_file_line_and_column(tmp_path):
+    tab = write(tmp_path / "tab.yaml", "policy:\n  model_name: m\ngrpo:\n\tmax_steps: 5\n")
+    with pytest.raises(ConfigError) as err:
+        load_yaml(tab)
+    assert str(err.value) == (f"{tab}:4:1: not valid YAML: found character '\\t' that cannot start any token; "
+                              "indent with spaces, not tabs")
+    bracket = write(tmp_path / "bracket.yaml", "policy:\n  model_name: m\ngrpo: {max_steps: 5\n")
+    with pytest.raises(ConfigError, match=rf"^{bracket}:4:1: not valid YAML: .*\(while parsing a flow mapping on "
+                                          r"line 3\)$"):
+        load_yaml(bracket)
+
+
+def test_override_that_is_not_valid_yaml_is_a_config_error():
+    """An unclosed bracket or quote on the command line: one line naming the override, not a yaml traceback."""
+    with pytest.raises(ConfigError, match=r"override policy.optimizer.kwargs.betas=\[0.9, 0.95 is not valid YAML at "
+                                          r"column 11: .*close its brackets and quotes"):
+        apply_override({}, "policy.optimizer.kwargs.betas=[0.9, 0.95")
+    with pytest.raises(ConfigError, match=r"override env.kwargs=\{a: 1, a: 2\}: .*duplicate key 'a'"):
+        apply_override({}, "env.kwargs={a: 1, a: 2}")
+
+
+def test_override_with_spaces_around_the_equals_sign_says_so():
+    """`grpo.max_steps = 5` reaches the trainer as three arguments."""
+    with pytest.raises(ConfigError, match=r"override 'grpo.max_steps' is not of the form dotted.key=value; give each "
+                                          r"override as one argument, without spaces around '='"):
+        load_config(None, ["grpo.max_steps", "=", "5"])
+
+
+def test_mapping_override_replaces_the_mapping_and_says_what_it_drops(tmp_path, caplog):
+    path = write(tmp_path / "c.yaml", "policy:\n  model_name: m\n  optimizer: {kwargs: {lr: 1.0e-3, betas: [0.9, "
+                                      "0.99], weight_decay: 0.0}}\n")
+    with caplog.at_level("WARNING", logger="grpo_app.config"):
+        cfg = load_config(path, ["policy.optimizer.kwargs={lr: 2.0e-3}"])
+    assert cfg.policy.optimizer.kwargs == {"lr": 2e-3}
+    assert ("policy.optimizer.kwargs={...} replaces the whole mapping: dropping ['betas', 'weight_decay'] (to change "
+            "one entry, override policy.optimizer.kwargs.<key>=value)") in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="grpo_app.config"):
+        cfg = load_config(path, ["policy.optimizer.kwargs.lr=2.0e-3", "policy.optimizer.kwargs.betas=[0.9,0.95]"])
+    assert cfg.policy.optimizer.kwargs == {"lr": 2e-3, "betas": [0.9, 0.95], "weight_decay": 0.0}
+    assert "replaces" not in caplog.text
+
+
+def test_unknown_config_name_suggests_the_closest_shipped_one(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"gpu1x does not exist \(--config\); did you mean --config gpu_1x\?"):
+        load_config("gpu1x")
+
+
+def test_string_where_a_mapping_was_read_hints_at_quoting():
+    """`env.system_prompt=Answer: briefly` is a YAML mapping; the error says to quote it."""
+    with pytest.raises(ConfigError, match=r"must be a str; got dict \{'Answer': 'briefly'\} \(YAML reads an unquoted "
+                                          r"'a: b' as a mapping"):
+        load_config(None, ["env.system_prompt=Answer: briefly", "env.use_chat_template=true"])
+    cfg = load_config(None, ['env.system_prompt="Answer: briefly"', "env.use_chat_template=true"])
+    assert cfg.env.system_prompt == "Answer: briefly"
+
+
+def test_a_bad_key_or_value_in_a_file_names_the_file_and_line(tmp_path):
+    """Errors about a key a YAML file sets start with that file and line (the child's, where both set it); a key
+    set on the command line has no file to name."""
+    base = write(tmp_path / "base.yaml", "policy: {model_name: m}\ngrpo:\n  max_steps: 3\n  seed: x\n")
+    child = write(tmp_path / "child.yaml", "defaults: base.yaml\n\ngrpo:\n  max_step: 5\n  seed: y\n")
+    with pytest.raises(ConfigError, match=rf"^{child}:4: unknown config key 'grpo.max_step'; did you mean "
+                                          r"'grpo.max_steps'\?"):
+        load_config(child)
+    with pytest.raises(ConfigError, match=rf"^{base}:4: 'grpo.seed' must be an integer; got str 'x'$"):
+        load_config(base)
+    with pytest.raises(ConfigError, match=r"^'grpo.seed' must be an integer; got str 'z'$"):  # overridden
+        load_config(base, ["grpo.seed=z"])
+    with pytest.raises(ConfigError, match=r"^unknown config key 'grpo.max_stepz'"):  # its suggestion is in base.yaml
+        load_config(base, ["grpo.seed=1", "grpo.max_stepz=5"])
+    child2 = write(tmp_path / "child2.yaml", "defaults: base.yaml\ngrpo: {seed: y}\n")
+    with pytest.raises(ConfigError, match=rf"^{child2}:2: 'grpo.seed' must be an integer; got str 'y'$"):
+        load_config(child2)
+
+
+def test_defaults_may_name_a_shipped_config(tmp_path):
+    """A user's file next to nothing else inherits a shipped config by name, as --config takes one."""
+    mine = write(tmp_path / "mine.yaml", "defaults: cpu_default\ngrpo: {max_steps: 2}\n")
+    cfg = load_config(mine)
+    assert cfg.grpo.max_steps == 2 and cfg.policy.model_name == load_config(CONFIG_DIR / "cpu_default.yaml").policy.model_name
+    typo = write(tmp_path / "typo.yaml", "defaults: cpu_defaults.yaml\n")
+    with pytest.raises(ConfigError, match=r"'defaults: cpu_defaults.yaml' names no file .*or the name of a shipped "
+                                          r"config \(did you mean cpu_default\?\)"):
+        load_config(typo)

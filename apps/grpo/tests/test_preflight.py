@@ -38,7 +38,17 @@ def run_main(caplog, *overrides: str) -> tuple[int, str]:
 
 def test_missing_model_path(caplog, tmp_path):
     code, text = run_main(caplog, f"policy.model_name={tmp_path / 'nope'}")
-    assert code == 2 and "is not a local Hugging Face checkpoint directory" in text and "policy.model_name" in text
+    assert code == 2 and f"policy.model_name='{tmp_path / 'nope'}': no such directory" in text
+    code, text = run_main(caplog, f"policy.model_name={tmp_path}")
+    assert code == 2 and "is not a local Hugging Face checkpoint directory (no config.json)" in text
+
+
+def test_hub_id_as_model_name_says_nothing_is_downloaded(caplog, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, text = run_main(caplog, "policy.model_name=Qwen/Qwen2.5-0.5B")
+    assert code == 2 and ("the trainer downloads nothing, so a Hugging Face Hub id must be fetched first (hf download "
+                          "Qwen/Qwen2.5-0.5B --local-dir models/Qwen2.5-0.5B), then set "
+                          "policy.model_name=models/Qwen2.5-0.5B") in text
 
 
 def test_unknown_key_and_bad_engine_key(caplog):
@@ -85,6 +95,14 @@ def test_data_directory_is_named_a_directory(caplog, tmp_path):
     code, text = run_main(caplog, f"env.train_data={tmp_path}")
     assert code == 2 and f"env.train_data={str(tmp_path)!r}" in text and "is a directory" in text
     assert ".to_parquet(path)" in text and "does not exist" not in text
+
+
+def test_data_file_of_another_format_names_the_key_and_the_formats(caplog, tmp_path):
+    csv = tmp_path / "prompts.csv"
+    csv.write_text("prompt,answer\nqk:2,2222\n")
+    code, text = run_main(caplog, f"env.val_data={csv}")
+    assert code == 2 and (f"env.val_data={str(csv)!r}: prompt dataset {csv}: unsupported suffix '.csv'; use .jsonl, "
+                          ".json or .parquet") in text
 
 
 # ---- issue 17: each row of the hardening table that preflight owns --------------------------------------
@@ -136,6 +154,20 @@ def test_every_int_field_has_a_bound():
 def test_backend_kwargs_typo_names_the_closest_key(caplog):
     code, text = run_main(caplog, "generation.backend_kwargs.max_num_seq=8")
     assert code == 2 and "did you mean 'generation.backend_kwargs.max_num_seqs'?" in text
+
+
+def test_optimizer_list_written_without_brackets_says_so(caplog):
+    code, text = run_main(caplog, "policy.optimizer.kwargs.betas=0.9,0.95")
+    assert code == 2 and "(policy.optimizer.kwargs.betas is a string: write a list as [a, b])" in text
+
+
+def test_backend_kwargs_list_of_the_wrong_type_fails_before_ray(caplog):
+    """A list argument given a number would fail in the generation actor after Ray started (TypeError)."""
+    code, text = run_main(caplog, "generation.backend_kwargs.eos_token_ids=3")
+    assert code == 2 and ("generation.backend_kwargs.eos_token_ids must be a list of int or null; got int 3 (a list "
+                          "is written [1, 2])") in text
+    code, text = run_main(caplog, "generation.backend_kwargs.batch_buckets=[1, x]")
+    assert code == 2 and "batch_buckets must be a list of int; got list [1, 'x']" in text
 
 
 def test_env_name_on_the_command_line_drops_the_files_env_kwargs(caplog, tmp_path):
@@ -366,6 +398,27 @@ def test_user_reward_without_validation_needs_no_val_data(tmp_path):
     assert sorted(e.metadata["answer"] for e in inputs.train.items) == ["1111", "2222"]
 
 
+def test_prompt_file_without_the_field_the_reward_reads_fails_before_ray(tmp_path):
+    """`math` scores against each prompt's 'answer': a file naming it otherwise would fail every reward call, after
+    Ray, the workers and the first generation."""
+    from grpo_app.build import load_inputs
+
+    data = tmp_path / "math.jsonl"
+    data.write_text('{"prompt": "1+1?", "answer": "2"}\n{"prompt": "2+2?", "solution": "4"}\n')
+    cfg = preflight(load_config(None, [f"policy.model_name={cached_tiny_checkpoint('qwen2')}", "env.name=math",
+                                       f"env.train_data={data}", "grpo.val_every=0"]))
+    with pytest.raises(ValueError, match=rf"env.train_data={data}: prompt 2 has no 'answer' field, which env.name=math "
+                                         r"reads \(the reference answer\); its other fields are \['solution'\]"):
+        load_inputs(cfg)
+
+
+def test_missing_val_data_names_val_every(caplog, tmp_path):
+    data = tmp_path / "math.jsonl"
+    data.write_text('{"prompt": "1+1?", "answer": "2"}\n')
+    code, text = run_main(caplog, "env.name=math", f"env.train_data={data}")
+    assert code == 2 and "set env.val_data to a local prompt file, or grpo.val_every=0 for no validation" in text
+
+
 @pytest.mark.parametrize("fn, message", [
     ("no_such_reward_module_xyz:score", "no module 'no_such_reward_module_xyz' on the Python path"),
     ("my_rewards.score", "is not an import path of the form 'pkg.module:function'"),
@@ -400,3 +453,13 @@ def test_architecture_the_megatron_engine_cannot_map_fails_before_ray(caplog, tm
     build_tokenizer().save_pretrained(tmp_path)
     code, text = run_main(caplog, f"policy.model_name={tmp_path}", "policy.megatron_cfg.enabled=true")
     assert code == 2 and "architecture 'Gemma2ForCausalLM'" in text and "'Qwen3MoeForCausalLM'" in text, text
+
+
+def test_command_line_takes_overrides_around_config_and_checks_the_log_level(capsys):
+    from grpo_app.main import parse_args
+
+    args = parse_args(["grpo.max_steps=1", "--config", "gpu_1x", "grpo.seed=3", "--log-level", "debug"])
+    assert (args.config, args.overrides, args.log_level) == ("gpu_1x", ["grpo.max_steps=1", "grpo.seed=3"], "DEBUG")
+    with pytest.raises(SystemExit) as exit_info:  # argparse's one-line usage error, not a logging traceback
+        parse_args(["--log-level", "verbose"])
+    assert exit_info.value.code == 2 and "invalid choice: 'VERBOSE'" in capsys.readouterr().err

@@ -213,3 +213,14 @@ def test_default_dtype_keeps_the_checkpoints(tmp_path: Path) -> None:
     source, back = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
     assert source.keys() == back.keys() and all(back[k].dtype == torch.bfloat16 and back[k].equal(source[k])
                                                   for k in source)
+
+
+def test_cli_hub_id_says_nothing_is_downloaded(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--hf Qwen/Qwen3-0.6B` (a Hub id, as a new user may try) is no local directory: the error says to fetch it."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["hf2mcore", "--hf", "Qwen/Qwen3-0.6B", "--out", "q"]) == 2
+    err = capsys.readouterr().err
+    assert "no directory Qwen/Qwen3-0.6B here, and nothing is downloaded: fetch a Hugging Face Hub model first" in err
+    assert main(["hf2mcore", "--hf", str(tmp_path), "--out", "q"]) == 2  # a directory without config.json
+    assert "nothing is downloaded" not in capsys.readouterr().err and not (tmp_path / "q").exists()

@@ -48,6 +48,18 @@ def test_wrong_type_and_missing_required_are_named():
         parse_config(LossConfig, {"agg": "mean"}, "loss")
 
 
+def test_wrong_type_from_a_yaml_reading_names_the_reading():
+    """PyYAML (YAML 1.1) reads `lr: 1e-3` as a string and `name: a: b` as a mapping: the error says so."""
+    with pytest.raises(ConfigError, match=r"'inner.lr' must be a number; got str '1e-3' \(YAML 1.1 reads 1e-3 as a "
+                                          r"string; write 1.0e-03\)$"):
+        parse_config(Outer, {"steps": 1, "inner": {"lr": "1e-3"}})
+    with pytest.raises(ConfigError, match=r"'inner.name' must be a str; got dict \{'a': 'b'\} \(YAML reads an "
+                                          r"unquoted 'a: b' as a mapping"):
+        parse_config(Outer, {"steps": 1, "inner": {"name": {"a": "b"}}})
+    with pytest.raises(ConfigError, match=r"'inner.lr' must be a number; got str 'fast'$"):
+        parse_config(Outer, {"steps": 1, "inner": {"lr": "fast"}})
+
+
 def test_policy_engine_selection_and_conflicts():
     assert PolicyConfig(model_name="m").engine_name == "dtensor"
     on = PolicyConfig(model_name="m", megatron_cfg={"enabled": True, "tensor_model_parallel_size": 2})

@@ -65,6 +65,11 @@ def test_malformed_jsonl_line_names_file_and_line(tmp_path, tokenizer):
     path.write_text('{"prompt": "a"}\n{"question": "b"}\n')
     with pytest.raises(ValueError, match=r"bad\.jsonl:2: no 'prompt' field \(found \['question'\]\)"):
         load_prompt_dataset(path, tokenizer)
+    path.write_text('{"answer": "1", "question": "b"}\n')  # the hint names the trainer's key and a candidate
+    with pytest.raises(ValueError, match=r"no 'prompt' field \(found \['answer', 'question'\]\); set prompt_key "
+                                         r"\(the trainer's env.prompt_key\) to the field that holds the prompt, e.g. "
+                                         r"env.prompt_key=question$"):
+        load_prompt_dataset(path, tokenizer)
     path.write_text('{"prompt": "a"}\n[1, 2]\n')
     with pytest.raises(ValueError, match=r"bad\.jsonl:2: expected a JSON object"):
         load_prompt_dataset(path, tokenizer)

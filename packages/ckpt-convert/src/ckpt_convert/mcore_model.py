@@ -76,7 +76,10 @@ def load_hf_config(hf_dir: str | os.PathLike, source: str = "--hf") -> Any:
 
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
-        raise ValueError(f"{path} not found: {source} must be a Hugging Face checkpoint directory with config.json")
+        hint = "" if Path(hf_dir).exists() else (f"; no directory {hf_dir} here, and nothing is downloaded: fetch a "
+                                                 f"Hugging Face Hub model first (hf download MODEL_ID --local-dir DIR)")
+        raise ValueError(f"{path} not found: {source} must be a Hugging Face checkpoint directory with config.json"
+                         f"{hint}")
     raw = read_json(path)
     arch = hf_architecture(raw)
     config = AutoConfig.from_pretrained(str(hf_dir))

@@ -83,7 +83,7 @@ def _convert(value: Any, annotation: Any, path: str) -> Any:
         return tuple(converted) if (origin or annotation) is tuple else converted
     if annotation is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"'{path}' must be a number; got {type(value).__name__} {value!r}")
+            raise ConfigError(f"'{path}' must be a number; got {type(value).__name__} {value!r}{_yaml_hint(value)}")
         return float(value)
     if annotation is int:
         if isinstance(value, bool) or not isinstance(value, int):
@@ -91,11 +91,25 @@ def _convert(value: Any, annotation: Any, path: str) -> Any:
         return value
     if annotation in (bool, str):
         if not isinstance(value, annotation):
+            hint = _yaml_hint(value) if annotation is str else ""
             raise ConfigError(
-                f"'{path}' must be a {annotation.__name__}; got {type(value).__name__} {value!r}"
+                f"'{path}' must be a {annotation.__name__}; got {type(value).__name__} {value!r}{hint}"
             )
         return value
     return value
+
+
+def _yaml_hint(value: Any) -> str:
+    """The YAML reading behind a wrong type, where it is a common one."""
+    if isinstance(value, Mapping | list):
+        return " (YAML reads an unquoted 'a: b' as a mapping and '[a]' as a list: quote the value)"
+    if isinstance(value, str) and "." not in value and "e" in value.lower():  # YAML 1.1's float needs a dot
+        try:
+            number = float(value)
+        except ValueError:
+            return ""
+        return f" (YAML 1.1 reads {value} as a string; write {number:.1e})"
+    return ""
 
 
 def parse_config(cls: type[T], data: Mapping[str, Any] | None, path: str = "") -> T:

@@ -69,11 +69,20 @@ def _check_record(record: Any, prompt_key: str, where: str) -> None:
     if not isinstance(record, dict):
         raise ValueError(f"{where}: expected a JSON object per record, got {type(record).__name__}")
     if prompt_key not in record:
-        raise ValueError(f"{where}: no {prompt_key!r} field (found {sorted(record)}); set "
-                         f"prompt_key to the column that holds the prompt")
+        raise ValueError(f"{where}: no {prompt_key!r} field (found {sorted(record)}); {_prompt_key_hint(record)}")
     problem = prompt_problem(record[prompt_key])
     if problem:
         raise ValueError(f"{where}: field {prompt_key!r} {problem}")
+
+
+PROMPT_FIELD_NAMES = ("question", "problem", "query", "instruction", "input", "messages", "text")
+
+
+def _prompt_key_hint(record: Mapping[str, Any]) -> str:
+    """How to name the prompt's field: prompt_key (the trainer's env.prompt_key), with a likely candidate."""
+    likely = [k for k in PROMPT_FIELD_NAMES if k in record] + [k for k, v in record.items() if isinstance(v, str)]
+    example = f", e.g. env.prompt_key={likely[0]}" if likely else ""
+    return f"set prompt_key (the trainer's env.prompt_key) to the field that holds the prompt{example}"
 
 
 def prompt_problem(prompt: Any) -> str | None:
@@ -96,6 +105,9 @@ def prompt_file_problem(path: str | Path) -> str | None:
                 "datasets.Dataset with .to_json(path) or .to_parquet(path))")
     if not path.is_file():
         return f"prompt dataset {path} does not exist (expected a local .jsonl or .parquet file)"
+    if path.suffix not in (*JSONL_SUFFIXES, ".parquet"):
+        return (f"prompt dataset {path}: unsupported suffix {path.suffix!r}; use .jsonl, .json or .parquet (e.g. "
+                "datasets.Dataset.from_csv(path).to_json('prompts.jsonl'))")
     return None
 
 
@@ -109,16 +121,15 @@ def _read_rows(path: Path, prompt_key: str) -> Any:
         if _check_jsonl(path, prompt_key) == 0:
             raise ValueError(f"prompt dataset {path} holds no records")
         return datasets.Dataset.from_json(str(path), keep_in_memory=True)
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # .parquet, the one other suffix prompt_file_problem accepts
 
-        if pq.ParquetFile(path).metadata.num_rows == 0:  # datasets fails on it with no reason given
-            raise ValueError(f"prompt dataset {path} holds no records")
-        rows = datasets.Dataset.from_parquet(str(path), keep_in_memory=True)
-        if prompt_key not in rows.column_names:
-            raise ValueError(f"{path}: no {prompt_key!r} column (found {rows.column_names}); set prompt_key")
-        return rows
-    raise ValueError(f"prompt dataset {path}: unsupported suffix {path.suffix!r}; use .jsonl or .parquet")
+    if pq.ParquetFile(path).metadata.num_rows == 0:  # datasets fails on it with no reason given
+        raise ValueError(f"prompt dataset {path} holds no records")
+    rows = datasets.Dataset.from_parquet(str(path), keep_in_memory=True)
+    if prompt_key not in rows.column_names:
+        raise ValueError(f"{path}: no {prompt_key!r} column (found {rows.column_names}); "
+                         f"{_prompt_key_hint(dict.fromkeys(rows.column_names, ''))}")
+    return rows
 
 
 def render_prompt(prompt: str | list[Mapping[str, str]], tokenizer: Any, *, apply_chat_template: bool,
