@@ -17,7 +17,7 @@ from grpo_app.prompts import PromptSource
 from rl_core.checkpoint_io import CheckpointError
 from rl_core.losses import ClippedPGLoss
 from rollout.datasets import PromptExample, build_examples, load_prompt_dataset
-from rollout.environments import toy_prompts
+from rollout.environments import prompt_fields, toy_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -41,15 +41,11 @@ def load_prompts(cfg: GRPOConfig, tokenizer: Any, split: str) -> list[PromptExam
     return drop_long_prompts(examples, cfg.prompt_token_limit, source)
 
 
-# The prompt-file fields a built-in environment's reward reads from every prompt's metadata (the row's fields
-# other than the prompt): rollout.rewards.math_answer reads metadata["answer"]. Without them every reward call
-# fails, which would stop the run only after Ray, the workers and the first generation.
-REQUIRED_PROMPT_FIELDS: dict[str, dict[str, str]] = {"math": {"answer": "the reference answer"}}
-
-
 def check_prompt_fields(examples: list[PromptExample], env_name: str, source: str) -> None:
-    """Every prompt of a file holds the fields the environment's reward reads."""
-    for field, meaning in REQUIRED_PROMPT_FIELDS.get(env_name, {}).items():
+    """Every prompt of a file holds the metadata fields the environment's reward reads (as it registered them:
+    `register_environment(prompt_fields=)`): without them every reward call fails, which would stop the run
+    only after Ray, the workers and the first generation."""
+    for field, meaning in prompt_fields(env_name).items():
         for number, example in enumerate(examples, start=1):
             if example.metadata.get(field) is None:  # `datasets` fills a field that other rows have with None
                 fields = sorted(k for k, v in example.metadata.items() if v is not None)

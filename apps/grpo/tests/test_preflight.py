@@ -412,6 +412,23 @@ def test_prompt_file_without_the_field_the_reward_reads_fails_before_ray(tmp_pat
         load_inputs(cfg)
 
 
+def test_an_environment_declares_the_prompt_fields_it_reads(monkeypatch):
+    """A registered environment's `prompt_fields` are what the trainer checks in a prompt file (a user's
+    environment as the built-in `math`)."""
+    from grpo_app.build import check_prompt_fields
+    from rollout.datasets import PromptExample
+    from rollout.environments import FunctionEnvironment, base, prompt_fields, register_environment
+
+    for registry in ("_ENVIRONMENTS", "_PROMPT_FIELDS"):  # registered for this test only
+        monkeypatch.setattr(base, registry, dict(getattr(base, registry)))
+    register_environment("needs_unit_test_fields", prompt_fields={"unit": "the expected unit"})(FunctionEnvironment)
+    assert prompt_fields("needs_unit_test_fields") == {"unit": "the expected unit"} and prompt_fields("function") == {}
+    good, bad = (PromptExample(prompt="p", prompt_token_ids=[1], metadata=meta) for meta in ({"unit": "m"}, {"units": "m"}))
+    check_prompt_fields([good], "needs_unit_test_fields", "f.jsonl")
+    with pytest.raises(ValueError, match=r"f.jsonl: prompt 2 has no 'unit' field, which env.name=needs_unit_test_fields"):
+        check_prompt_fields([good, bad], "needs_unit_test_fields", "f.jsonl")
+
+
 def test_missing_val_data_names_val_every(caplog, tmp_path):
     data = tmp_path / "math.jsonl"
     data.write_text('{"prompt": "1+1?", "answer": "2"}\n')

@@ -11,10 +11,11 @@ from rollout.environments.base import (
     environment_factory,
     environment_names,
     finite_rewards,
+    prompt_fields,
     register_environment,
 )
 from rollout.environments.builtin import toy_prompts
 
 __all__ = ["FunctionEnvironment", "RewardFailureError", "builtin", "check_reward_failures", "create_environment", "environment_factory",
-           "environment_names", "finite_rewards", "register_environment",
+           "environment_names", "finite_rewards", "prompt_fields", "register_environment",
            "toy_prompts"]

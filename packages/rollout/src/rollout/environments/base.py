@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rl_core.interfaces import Environment, RewardRequest, RewardResult
@@ -21,16 +21,26 @@ from rollout.environments.pool import RewardPool
 logger = logging.getLogger(__name__)
 
 _ENVIRONMENTS: dict[str, Callable[..., Environment]] = {}
+_PROMPT_FIELDS: dict[str, dict[str, str]] = {}
 
 
-def register_environment(name: str) -> Callable[[Callable[..., Environment]], Callable[..., Environment]]:
-    """Class / factory decorator: make `create_environment(name, **kwargs)` build it."""
+def register_environment(name: str, *, prompt_fields: Mapping[str, str] | None = None
+                         ) -> Callable[[Callable[..., Environment]], Callable[..., Environment]]:
+    """Class / factory decorator: make `create_environment(name, **kwargs)` build it. `prompt_fields`: the
+    metadata fields its reward reads from every prompt (field -> what it holds), which a trainer checks in a
+    prompt file before it starts anything (without them every reward call would fail)."""
 
     def decorate(factory: Callable[..., Environment]) -> Callable[..., Environment]:
         _ENVIRONMENTS[name] = factory
+        _PROMPT_FIELDS[name] = dict(prompt_fields or {})
         return factory
 
     return decorate
+
+
+def prompt_fields(name: str) -> dict[str, str]:
+    """The metadata fields environment `name` reads from every prompt (field -> what it holds)."""
+    return dict(_PROMPT_FIELDS.get(name, {}))
 
 
 def environment_names() -> list[str]:

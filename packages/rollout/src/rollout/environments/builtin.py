@@ -12,7 +12,7 @@ from rollout.environments.base import FunctionEnvironment, register_environment
 from rollout.rewards.toy import TOY_TASKS
 
 
-@register_environment("math")
+@register_environment("math", prompt_fields={"answer": "the reference answer"})
 def make_math_environment(*, num_workers: int = 2, timeout_s: float = 10.0, require_boxed: bool = False,
                           memory_limit_mb: int | None = 4096) -> FunctionEnvironment:
     """Math answers checked with math-verify (reference answer in metadata['answer'])."""
