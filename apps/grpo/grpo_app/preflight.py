@@ -22,7 +22,7 @@ import typing
 from collections.abc import Callable, Collection
 from importlib.machinery import PathFinder
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from grpo_app.config import GRPOConfig
 from grpo_app.devices import check_hardware, detect_hardware
@@ -98,6 +98,12 @@ SEQUENCES = (list, tuple, collections.abc.Sequence)
 
 def _check_plain_type(key: str, value: Any, annotation: Any) -> None:
     allowed = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    if any(typing.get_origin(t) is Literal for t in allowed):  # a fixed set of values (or those and None)
+        choices = [choice for t in allowed if typing.get_origin(t) is Literal for choice in typing.get_args(t)]
+        if value not in choices and not (value is None and type(None) in allowed):
+            near = closest_key(str(value), [str(c) for c in choices])
+            raise ConfigError(f"{key}={value!r} must be one of {choices}{f'; did you mean {near!r}?' if near else ''}")
+        return
     if not allowed or not all(t in PLAIN_TYPES or _plain_sequence(t) for t in allowed):
         return  # anything richer (dicts, classes, nested lists) is the callee's to check
     if not any(_is(value, t) for t in allowed):

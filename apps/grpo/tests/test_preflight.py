@@ -156,6 +156,14 @@ def test_backend_kwargs_typo_names_the_closest_key(caplog):
     assert code == 2 and "did you mean 'generation.backend_kwargs.max_num_seqs'?" in text
 
 
+def test_backend_kwarg_outside_its_literal_choices_fails_before_ray(caplog):
+    """A parameter annotated with a Literal (the torch backend's `decode`) takes one of its values: a typo failed
+    in the generation actor's constructor, after Ray started."""
+    code, text = run_main(caplog, "generation.backend_kwargs.decode=pagd")
+    assert code == 2 and ("generation.backend_kwargs.decode='pagd' must be one of ['auto', 'paged', 'dense']; "
+                          "did you mean 'paged'?") in text
+
+
 def test_optimizer_list_written_without_brackets_says_so(caplog):
     code, text = run_main(caplog, "policy.optimizer.kwargs.betas=0.9,0.95")
     assert code == 2 and "(policy.optimizer.kwargs.betas is a string: write a list as [a, b])" in text

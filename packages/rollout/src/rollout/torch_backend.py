@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor
@@ -48,6 +48,10 @@ def _as_id_list(value: Any) -> list[int]:
     if isinstance(value, int):
         return [value]
     return [int(v) for v in value]
+
+
+# dense: one padded batch per call; paged: continuous batching over a paged KV cache; auto: paged on CUDA, else dense
+Decode = Literal["auto", "paged", "dense"]
 
 
 class TorchGenerationBackend:
@@ -85,7 +89,7 @@ class TorchGenerationBackend:
         compact_fraction: float = 0.25,
         eos_token_ids: Sequence[int] | None = None,
         attn_implementation: str = "rollout_sdpa",
-        decode: str = "auto",
+        decode: Decode = "auto",
         block_size: int = 16,
         kv_cache_tokens: int | None = None,
         batch_buckets: Sequence[int] = DEFAULT_BUCKETS,
@@ -101,7 +105,7 @@ class TorchGenerationBackend:
             raise ValueError(f"TorchGenerationBackend dtype={dtype!r}; choose one of {sorted(DTYPES)}")
         if max_num_seqs < 1:
             raise ValueError(f"TorchGenerationBackend max_num_seqs={max_num_seqs}; expected >= 1")
-        if decode not in ("auto", "paged", "dense"):
+        if decode not in get_args(Decode):
             raise ValueError(f"TorchGenerationBackend decode={decode!r}; choose 'auto', 'paged' or 'dense'")
         if block_size < 1 or (kv_cache_tokens is not None and kv_cache_tokens < block_size):
             raise ValueError(f"TorchGenerationBackend block_size={block_size}, kv_cache_tokens={kv_cache_tokens}; "
