@@ -114,9 +114,17 @@ def test_vllm_top_k_top_p_logprobs_agree_with_the_trainers(tmp_path):
 
 
 @pytest.mark.slow
-def test_kill_after_step_3_and_resume_reproduces_steps_4_to_6(tmp_path):
+@pytest.mark.parametrize("async_rollouts", [False, True], ids=["on-policy", "async"])
+def test_kill_after_step_3_and_resume_reproduces_steps_4_to_6(tmp_path, async_rollouts):
+    """With grpo.async_rollouts the step-3 checkpoint also holds step 4's groups, sampled before the kill by the
+    weights of step 3: resumed, step 4 trains on them, as the uninterrupted run did."""
     overrides = ["grpo.max_steps=6", "grpo.val_every=0", "checkpointing.save_every=3", "checkpointing.keep_top_k=5"]
+    if async_rollouts:
+        overrides += ["grpo.async_rollouts=true", "generation.colocated=false"]
     reference = train_records(run_grpo(tmp_path / "uninterrupted", *overrides))
+    if async_rollouts:  # step 0 samples before any update; every later step's groups are one update old
+        lag = [reference[step]["train/token_mult_prob_error"] for step in range(6)]
+        assert lag[0] < 1.001 and min(lag[1:]) > 1.001, lag
 
     log_dir = tmp_path / "killed"
     env = {**os.environ, "RL_STACK_CACHE": str(tmp_path / "cache")}

@@ -57,8 +57,9 @@ class CheckpointManager:
         names = (p.name for p in self.root.glob("step_*") if p.is_dir())
         return sorted(int(name[5:]) for name in names if name[5:].isdigit())
 
-    def save(self, step: int, save_engine: Any, state: dict[str, Any]) -> Path:
-        """`save_engine(path)` writes the policy; `state` is the trainer's JSON-serialisable state."""
+    def save(self, step: int, save_engine: Any, state: dict[str, Any], files: dict[str, bytes] | None = None) -> Path:
+        """`save_engine(path)` writes the policy; `state` is the trainer's JSON-serialisable state; `files`, more
+        of the trainer's state by file name (the groups sampled ahead)."""
         final = self.root / f"step_{step}"
         self._recover()
         for stale in self.root.glob(".step_*.tmp-*"):  # what a killed save left behind
@@ -67,6 +68,8 @@ class CheckpointManager:
         with atomic_dir(final) as tmp:
             save_engine(str(tmp / "policy"))
             (tmp / STATE_FILE).write_text(json.dumps(state, indent=1, allow_nan=False))
+            for name, data in (files or {}).items():
+                (tmp / name).write_bytes(data)
             write_manifest(tmp)
         logger.info("checkpoint saved: %s", final)
         self._prune()

@@ -51,6 +51,10 @@ class GRPOSettings:
     dynamic_sampling: bool = False  # DAPO: drop zero-variance groups and refill from new prompts
     max_dynamic_sampling_rounds: int = 4
     overlong_filtering: bool = False
+    # one step off-policy: step s+1's groups are sampled (and scored) while step s trains, by the weights
+    # before step s's update (grpo_app.loop.RolloutQueue); needs generation on its own devices and
+    # loss.importance to correct for the one-update lag
+    async_rollouts: bool = False
 
     def __post_init__(self) -> None:
         if self.advantage_clip is not None and self.advantage_clip <= 0:
@@ -177,12 +181,28 @@ class GRPOConfig:
         if isinstance(max_model_len, int) and max_model_len <= self.generation.max_new_tokens:
             raise ConfigError(f"generation.backend_kwargs.max_model_len={max_model_len} leaves no room for a prompt "
                               f"before generation.max_new_tokens={self.generation.max_new_tokens} new tokens")
+        if self.grpo.async_rollouts:
+            self._check_async_rollouts()
         samples = self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
         if samples % self.policy.train_global_batch_size:
             raise ConfigError(
                 f"policy.train_global_batch_size={self.policy.train_global_batch_size} must divide the "
                 f"samples per step (grpo.num_prompts_per_step x num_generations_per_prompt = {samples})"
             )
+
+    def _check_async_rollouts(self) -> None:
+        gen = self.generation
+        if gen.colocated or gen.in_policy_workers:
+            raise ConfigError(
+                f"grpo.async_rollouts=true generates the next step's groups while this step trains, which "
+                f"generation.colocated={str(gen.colocated).lower()} / generation.in_policy_workers="
+                f"{str(gen.in_policy_workers).lower()} cannot (one side would hold the devices or the process the "
+                "other needs): set generation.colocated=false and generation.in_policy_workers=false (generation "
+                "workers of their own; on GPUs they take generation.num_workers GPUs after the policy's)")
+        if not self.loss.importance.enabled:
+            raise ConfigError("grpo.async_rollouts=true trains on groups sampled by the weights one update before; "
+                              "set loss.importance.enabled=true, so that importance weights correct for the lag "
+                              "(as NeMo-RL's async GRPO requires)")
 
     @property
     def prompt_token_limit(self) -> int | None:

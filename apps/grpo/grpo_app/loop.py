@@ -11,9 +11,12 @@ import contextlib
 import difflib
 import logging
 import math
+import pickle
+import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,7 +29,7 @@ from grpo_app.prompts import PromptSource
 from rl_core.advantages import grpo_advantages
 from rl_core.batch import TokenBatch
 from rl_core.filters import dynamic_sampling_keep, overlong_loss_mask
-from rl_core.interfaces import Completion, RewardRequest, SamplingParams
+from rl_core.interfaces import Completion, RewardRequest, RewardResult, SamplingParams
 from rl_core.losses import ClippedPGLoss
 from rollout.datasets import PromptExample
 from rollout.environments import check_reward_failures, finite_rewards
@@ -52,6 +55,88 @@ class PhaseTimer:
 
 
 @dataclass
+class SampledStep:
+    """One step's scored groups, and the timer of their sampling (which goes on to time the rest of the step)."""
+
+    prompts: list[PromptExample]
+    completions: list[Completion]
+    rewards: torch.Tensor
+    results: list[RewardResult]
+    timer: PhaseTimer
+
+
+class RolloutQueue:
+    """Where each step's groups come from.
+
+    On-policy (the default), a step samples its own groups when it starts. With `grpo.async_rollouts`, a step
+    also starts sampling the next step's groups on a thread, with the weights it trains from, so generation and
+    scoring run while it computes logprobs and trains; its refit waits for that sampling first (`wait`). The
+    groups a step trains on are so always exactly one update old, whatever the timing (verl's one-step
+    off-policy, NeMo-RL's async GRPO at max_trajectory_age_steps=1), and a run is as reproducible as an
+    on-policy one. A checkpoint holds the groups sampled ahead (`ahead_bytes`), so a resumed run trains on the
+    very groups the original did.
+    """
+
+    def __init__(self, sample: Callable[[int], SampledStep], *, ahead: bool, max_steps: int) -> None:
+        self._sample, self.ahead, self.max_steps = sample, ahead, max_steps
+        self._ready: tuple[int, SampledStep] | None = None  # sampled ahead, for the step it names
+        self._running: tuple[int, threading.Thread, dict[str, Any]] | None = None
+
+    def take(self, step: int) -> SampledStep:
+        """`step`'s groups (sampled ahead, or now); with `ahead`, the next step's start sampling."""
+        self.wait()
+        ready, self._ready = self._ready, None
+        sampled = ready[1] if ready is not None and ready[0] == step else self._sample(step)
+        if self.ahead and step + 1 < self.max_steps:
+            self._start(step + 1)
+        return sampled
+
+    @property
+    def sampling(self) -> bool:
+        return self._running is not None
+
+    def wait(self) -> None:
+        """Until the groups sampled ahead are complete; raises what their sampling raised."""
+        if self._running is None:
+            return
+        step, thread, box = self._running
+        thread.join()
+        self._running = None
+        if "error" in box:
+            raise box["error"]
+        self._ready = step, box["sampled"]
+
+    def _start(self, step: int) -> None:
+        box: dict[str, Any] = {}
+
+        def sample() -> None:
+            try:
+                box["sampled"] = self._sample(step)
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the loop's thread by wait()
+                box["error"] = exc
+
+        # a daemon: a run stopped by a signal must not wait at exit for a sampling it abandoned
+        thread = threading.Thread(target=sample, name=f"rollouts-step-{step}", daemon=True)
+        thread.start()
+        self._running = step, thread, box
+
+    def ahead_bytes(self) -> bytes | None:
+        """The groups sampled ahead (after `wait`), pickled for a checkpoint; None if there are none."""
+        return None if self._ready is None else pickle.dumps(self._ready)
+
+    def restore(self, checkpoint: Path) -> None:
+        """The groups a checkpoint holds for its next step, if any (a checkpoint of a verified run directory:
+        its manifest covers the file)."""
+        file = checkpoint / SAMPLED_AHEAD_FILE
+        if file.is_file():
+            self._ready = pickle.loads(file.read_bytes())  # noqa: S301 - our own checkpoint, verified
+            logger.info("resuming with step %d's groups, sampled ahead before the checkpoint", self._ready[0])
+
+
+SAMPLED_AHEAD_FILE = "sampled_ahead.pkl"
+
+
+@dataclass
 class Run:
     """Everything one training run holds; built by main.py."""
 
@@ -63,6 +148,11 @@ class Run:
     sink: MetricsSink
     checkpoints: CheckpointManager | None
     loss_fn: ClippedPGLoss
+    rollouts: RolloutQueue = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rollouts = RolloutQueue(lambda step: sample_step(self, step), ahead=self.cfg.grpo.async_rollouts,
+                                     max_steps=self.cfg.grpo.max_steps)
 
 
 def sampling_params(cfg: GRPOConfig, step: int, *, n: int, greedy: bool = False) -> SamplingParams:
@@ -145,6 +235,12 @@ def sample_groups(run: Run, step: int, timer: PhaseTimer):
     return prompts, completions, torch.cat(rewards), results
 
 
+def sample_step(run: Run, step: int) -> SampledStep:
+    timer = PhaseTimer()
+    prompts, completions, rewards, results = sample_groups(run, step, timer)
+    return SampledStep(prompts, completions, rewards, results, timer)
+
+
 def on_policy(cfg: GRPOConfig, num_samples: int) -> bool:
     """One optimizer step per batch: the weights that train on it are the ones that would score prev
     logprobs, so the separate logprob pass is skipped (ClippedPGLoss uses its forward's, detached)."""
@@ -152,9 +248,10 @@ def on_policy(cfg: GRPOConfig, num_samples: int) -> bool:
 
 
 def grpo_step(run: Run, step: int) -> dict[str, float]:
-    cfg, timer = run.cfg, PhaseTimer()
-    start = time.perf_counter()
-    prompts, completions, rewards, results = sample_groups(run, step, timer)
+    cfg, start = run.cfg, time.perf_counter()
+    sampled = run.rollouts.take(step)  # with grpo.async_rollouts: sampled while the last step trained
+    prompts, completions, rewards, results, timer = (sampled.prompts, sampled.completions, sampled.rewards,
+                                                     sampled.results, sampled.timer)
     group_ids = torch.tensor([c.prompt_index for c in completions])
     advantages = grpo_advantages(rewards, group_ids, normalize_std=cfg.grpo.normalize_std,
                                  leave_one_out=cfg.grpo.leave_one_out, batch_normalize=cfg.grpo.batch_normalize,
@@ -167,6 +264,9 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
             batch = batch.with_fields(ref_logprobs=run.workers.compute_logprobs(batch, reference=True))
     with timer("train"):
         train_metrics = run.workers.train(batch, run.loss_fn)
+    if run.rollouts.sampling:  # the next step's groups are of the weights before this update: refit after them
+        with timer("rollout_wait"):
+            run.rollouts.wait()
     with timer("refit"):
         run.workers.refit()
     lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float32)
@@ -236,8 +336,11 @@ def train(run: Run, start_step: int = 0) -> None:
     warned_metric = False
     if start_step == cfg.max_steps and cfg.val_every:  # a finished run resumed: the sink dropped its last record
         run.sink.log(start_step, validation(start_step))
+    if cfg.async_rollouts:
+        logger.info("grpo.async_rollouts: each step's groups are sampled while the step before trains, by the weights "
+                    "one update older than those they train (importance-weighted by loss.importance)")
     if on_policy(run.cfg, cfg.num_prompts_per_step * cfg.num_generations_per_prompt):
-        logger.info("one optimizer step per batch (on-policy): prev logprobs come from the training forward")
+        logger.info("one optimizer step per batch: prev logprobs come from the training forward")
     for step in bar:
         val = validation(step) if due(step) else {}  # the weights before this step's update
         step_metrics = grpo_step(run, step)
@@ -256,4 +359,6 @@ def train(run: Run, start_step: int = 0) -> None:
                 near = difflib.get_close_matches(ckpt.metric, [*own_val, *step_metrics], n=1)
                 logger.warning("checkpointing.metric=%r is not a metric of this run%s: keep-top-k keeps the newest "
                                "checkpoints only", ckpt.metric, f" (did you mean {near[0]!r}?)" if near else "")
-            run.checkpoints.save(step + 1, run.workers.save_checkpoint, trainer_state(run, step + 1, metric))
+            ahead = run.rollouts.ahead_bytes()
+            run.checkpoints.save(step + 1, run.workers.save_checkpoint, trainer_state(run, step + 1, metric),
+                                 files={SAMPLED_AHEAD_FILE: ahead} if ahead is not None else None)

@@ -16,6 +16,9 @@ from rl_core.checkpoint_io import atomic_write_text
 logger = logging.getLogger(__name__)
 
 PHASES = ("generate", "reward", "logprobs", "train", "refit")
+# grpo.async_rollouts: generation and scoring run beside the previous step; a step waits only for what is left
+ASYNC_PHASES = ("rollout_wait", "logprobs", "train", "refit")
+OVERLAPPED = ("generate", "reward")
 
 
 class MetricsSink:
@@ -71,13 +74,14 @@ class MetricsSink:
             ax_reward.plot(steps, values, marker="o" if key.startswith("val") else None, label=label)
         ax_reward.set(xlabel="step", ylabel="reward", title="Reward")
         ax_reward.legend()
-        bottom = None
-        for phase in PHASES:
-            steps, values = self.series(f"timing/{phase}_s")
-            if not steps:
-                continue
-            ax_time.bar(steps, values, bottom=bottom, label=phase)
-            bottom = values if bottom is None else [a + b for a, b in zip(bottom, values)]
+        steps, _ = self.series("timing/step_s")
+        bottom = [0.0] * len(steps)
+        for phase in self._critical_phases():
+            by_step = dict(zip(*self.series(f"timing/{phase}_s")))
+            if by_step:  # a phase a step did not have (async: the first step's wait) stacks as 0
+                values = [by_step.get(step, 0.0) for step in steps]
+                ax_time.bar(steps, values, bottom=bottom, label=phase)
+                bottom = [a + b for a, b in zip(bottom, values)]
         ax_time.set(xlabel="step", ylabel="seconds", title="Step time by phase")
         ax_time.legend()
         fig.tight_layout()
@@ -91,17 +95,28 @@ class MetricsSink:
         lines = []
         if val:
             lines.append(f"validation reward: {val[0]:.3f} -> {val[-1]:.3f} ({val[-1] - val[0]:+.3f})")
-        lines.append(f"{'phase':<10} {'mean s/step':>12} {'share':>7}")
+        lines.append(f"{'phase':<12} {'mean s/step':>12} {'share':>7}")
+        means = self._phase_means(self._critical_phases())
+        total = sum(means.values()) or 1.0
+        for phase, mean in means.items():
+            lines.append(f"{phase:<12} {mean:>12.3f} {mean / total:>6.1%}")
+        lines.append(f"{'total':<12} {total:>12.3f}")
+        if self._critical_phases() == ASYNC_PHASES:
+            for phase, mean in self._phase_means(OVERLAPPED).items():
+                lines.append(f"{phase + ' *':<12} {mean:>12.3f}")
+            lines.append("* beside the previous step's logprobs and training (grpo.async_rollouts)")
+        return "\n".join(lines)
+
+    def _critical_phases(self) -> tuple[str, ...]:
+        return ASYNC_PHASES if self.series("timing/rollout_wait_s")[0] else PHASES
+
+    def _phase_means(self, phases: tuple[str, ...]) -> dict[str, float]:
         means = {}
-        for phase in PHASES:
+        for phase in phases:
             _, values = self.series(f"timing/{phase}_s")
             if values:
                 means[phase] = sum(values) / len(values)
-        total = sum(means.values()) or 1.0
-        for phase, mean in means.items():
-            lines.append(f"{phase:<10} {mean:>12.3f} {mean / total:>6.1%}")
-        lines.append(f"{'total':<10} {total:>12.3f}")
-        return "\n".join(lines)
+        return means
 
     def close(self) -> None:
         if self.writer is not None:

@@ -1,13 +1,19 @@
-"""The loop's data plumbing with stand-in workers: batch layout, DAPO dynamic sampling refills, and when
-the separate prev-logprob pass runs."""
+"""The loop's data plumbing with stand-in workers: batch layout, DAPO dynamic sampling refills, when the
+separate prev-logprob pass runs, and the rollouts sampled ahead with grpo.async_rollouts."""
 
 from __future__ import annotations
 
 import math
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
+import grpo_app.loop as loop
+from grpo_app.build import resume
+from grpo_app.checkpoint import CheckpointManager, ResumePoint
 from grpo_app.config import load_config
 from grpo_app.loop import (
     PhaseTimer,
@@ -19,7 +25,9 @@ from grpo_app.loop import (
     sample_groups,
     sampling_params,
 )
+from grpo_app.metrics_sink import MetricsSink
 from grpo_app.prompts import PromptSource
+from rl_core.config import ConfigError
 from rl_core.interfaces import Completion, RewardRequest, RewardResult
 from rollout.datasets import PromptExample
 from rollout.environments import RewardFailureError
@@ -212,3 +220,131 @@ def test_rollout_counts_cover_the_groups_dynamic_sampling_dropped():
     assert generated > kept and run.workers.failed > 0
     assert metrics["rollout/tokens_per_s"] * metrics["timing/generate_s"] == pytest.approx(generated, rel=1e-9)
     assert metrics["rollout/reward_errors"] == run.workers.failed
+
+
+class VersionedWorkers(StubWorkers):
+    """Workers whose generator samples with the weights of its last refit, marking each completion's logprobs with
+    that version (-(version + 1)); training makes a new policy version. A refit while a generation runs fails, and
+    a training step of `overlap_steps` waits (up to 10 s) for the next step's generation to start beside it."""
+
+    def __init__(self, overlap_steps: int = 0):
+        super().__init__()
+        self.policy_version = self.generator_version = 0
+        self.generating, self.overlap_steps, self.overlapped = False, overlap_steps, []
+        self.generation_started = threading.Event()
+
+    def generate(self, prompts, params):
+        self.generating = True
+        self.generation_started.set()
+        time.sleep(0.02)
+        completions = super().generate(prompts, params)
+        for c in completions:
+            c.logprobs = [-(self.generator_version + 1.0)] * len(c.token_ids)
+        self.generating = False
+        return completions
+
+    def train(self, batch, loss_fn):
+        if len(self.trained) < self.overlap_steps:
+            self.overlapped.append(self.generation_started.wait(10))
+        self.generation_started.clear()
+        self.policy_version += 1
+        return super().train(batch, loss_fn)
+
+    def refit(self):
+        assert not self.generating, "refit during a generation"
+        self.generator_version = self.policy_version
+        return 0
+
+    def save_checkpoint(self, path):
+        Path(path).mkdir(parents=True)
+        (Path(path) / "version").write_text(str(self.policy_version))
+
+    def load_checkpoint(self, path):
+        self.policy_version = int((Path(path) / "version").read_text())
+
+
+def sampled_versions(workers: VersionedWorkers) -> list[int]:
+    return [int(-batch.gen_logprobs[0][-1]) - 1 for batch in workers.trained]
+
+
+ASYNC = ("grpo.async_rollouts=true", "generation.colocated=false")
+
+
+@pytest.mark.parametrize(("overrides", "versions"), [((), [0, 1, 2, 3]), (ASYNC, [0, 0, 1, 2])])
+def test_async_rollouts_train_each_step_on_groups_of_the_weights_one_update_before(overrides, versions):
+    """On-policy, step s trains on groups sampled by the weights of s updates; with grpo.async_rollouts, by those
+    of s - 1 (step 0's: sampled before anything trained), generated while the step before trained, and never
+    across a refit."""
+    run = make_run(*overrides, "grpo.max_steps=4")
+    run.workers = VersionedWorkers(overlap_steps=3 if overrides else 0)
+    for step in range(4):
+        grpo_step(run, step)
+    assert sampled_versions(run.workers) == versions
+    assert run.workers.overlapped == ([True] * 3 if overrides else [])
+
+
+def test_async_rollouts_resume_trains_on_the_groups_sampled_before_the_checkpoint(tmp_path):
+    """The groups sampled ahead at a checkpoint are part of it: a run resumed there trains on them (sampled by the
+    weights before the checkpoint's), as the uninterrupted run did; sampling them again would use newer weights."""
+    def run_in(log_dir: Path) -> Run:
+        run = make_run(*ASYNC, "grpo.max_steps=4", "grpo.val_every=0", "checkpointing.save_every=2",
+                       "logger.progress_bar=false")
+        run.workers = VersionedWorkers()
+        run.sink = MetricsSink(log_dir, tensorboard=False, resume_step=None)
+        run.checkpoints = CheckpointManager(log_dir / "checkpoints", keep_top_k=5, metric="m", higher_is_better=True)
+        return run
+
+    full = run_in(tmp_path / "full")
+    loop.train(full)
+    assert (tmp_path / "full/checkpoints/step_2/sampled_ahead.pkl").is_file()
+    assert not (tmp_path / "full/checkpoints/step_4/sampled_ahead.pkl").exists()  # nothing sampled past the end
+
+    resumed = run_in(tmp_path / "resumed")
+    path = tmp_path / "full/checkpoints/step_2"
+    start = resume(resumed, ResumePoint(path, full.checkpoints.load_state(path)))
+    loop.train(resumed, start_step=start)
+    assert start == 2 and sampled_versions(resumed.workers) == [1, 2]
+    for got, want in zip(resumed.workers.trained, full.workers.trained[2:]):
+        assert [t.tolist() for t in got.input_ids] == [t.tolist() for t in want.input_ids]
+        assert [t.tolist() for t in got.gen_logprobs] == [t.tolist() for t in want.gen_logprobs]
+        assert [t.tolist() for t in got.advantages] == [t.tolist() for t in want.advantages]
+
+
+def test_async_rollouts_error_in_the_sampling_thread_reaches_the_loop():
+    class FailingReward(StubWorkers):
+        calls = 0
+
+        def score(self, requests):
+            self.calls += 1
+            if self.calls > 2:  # step 0's groups scored in two parts; then those sampled ahead, beside its training
+                raise RuntimeError("reward service down")
+            return super().score(requests)
+
+    run = make_run(*ASYNC, "grpo.max_steps=3")
+    run.workers = FailingReward()
+    with pytest.raises(RuntimeError, match="reward service down"):
+        grpo_step(run, 0)
+
+
+@pytest.mark.parametrize(("overrides", "match"), [
+    (("grpo.async_rollouts=true",), "set generation.colocated=false and generation.in_policy_workers=false"),
+    ((*ASYNC, "generation.in_policy_workers=true"), "generation.in_policy_workers=true"),
+    ((*ASYNC, "loss.importance.enabled=false"), "set loss.importance.enabled=true"),
+])
+def test_async_rollouts_layouts_that_cannot_overlap_are_config_errors(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, ["policy.model_name=unused", *overrides])
+
+
+def test_async_summary_counts_the_wait_not_the_overlapped_generation(tmp_path):
+    sink = MetricsSink(tmp_path, tensorboard=False, resume_step=None)
+    sink.log(0, {"timing/generate_s": 4.0, "timing/reward_s": 1.0, "timing/logprobs_s": 0.0, "timing/train_s": 3.0,
+                 "timing/refit_s": 1.0, "timing/step_s": 9.0})  # the first step samples before it trains
+    sink.log(1, {"timing/generate_s": 2.0, "timing/reward_s": 1.0, "timing/logprobs_s": 0.0, "timing/train_s": 5.0,
+                 "timing/rollout_wait_s": 0.5, "timing/refit_s": 1.0, "timing/step_s": 6.5})
+    lines = sink.summary().splitlines()
+    table = {line.split()[0]: line.split()[1:] for line in lines}
+    assert table["rollout_wait"][0] == "0.500" and table["train"][0] == "4.000"
+    assert table["total"] == [f"{0.5 + 0.0 + 4.0 + 1.0:.3f}"]
+    assert table["generate"] == ["*", "3.000"] and "reward" in table
+    assert sink.plot(tmp_path / "summary.png").stat().st_size > 0  # step 0 has no wait: stacked as 0

@@ -206,7 +206,8 @@ def stub_run(tmp_path, manager, *overrides: str) -> SimpleNamespace:
     return SimpleNamespace(cfg=config(*overrides, "logger.progress_bar=false"),
                            workers=SimpleNamespace(save_checkpoint=fake_engine_save),
                            sink=MetricsSink(tmp_path, tensorboard=False, resume_step=None), checkpoints=manager,
-                           train_prompts=SimpleNamespace(state_dict=lambda: {}))
+                           train_prompts=SimpleNamespace(state_dict=lambda: {}),
+                           rollouts=loop.RolloutQueue(lambda step: None, ahead=False, max_steps=0))
 
 
 def test_each_checkpoint_is_scored_with_its_own_steps_validation(tmp_path, monkeypatch):
@@ -218,9 +219,9 @@ def test_each_checkpoint_is_scored_with_its_own_steps_validation(tmp_path, monke
     scores = {}
     real_save = manager.save
 
-    def recording_save(step, save_engine, state):
+    def recording_save(step, save_engine, state, **kwargs):
         scores[step] = state["checkpoint_metric"]
-        return real_save(step, save_engine, state)
+        return real_save(step, save_engine, state, **kwargs)
 
     manager.save = recording_save
     loop.train(run)
