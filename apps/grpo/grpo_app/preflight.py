@@ -3,7 +3,8 @@
 Resolves `tiny:<arch>` model names to a locally built, cached tiny checkpoint (the CPU default), and
 checks what would otherwise fail minutes later inside a Ray actor: counts and sizes, the engine layout
 against `cluster.train_world_size`, the optimizer, `generation.backend_kwargs` and `env.kwargs` against
-the constructors they are passed to, the model directory (grpo_app.model_check) and `cluster.address`.
+the constructors they are passed to (and the backend's own value rules, `check_options`), the model
+directory (grpo_app.model_check) and `cluster.address`.
 Every failure is a ConfigError naming the key or file and the fix; main() turns it into exit code 2.
 """
 
@@ -220,6 +221,21 @@ def check_cluster_address(address: str | None) -> None:
                           f"--port={port}`) or leave cluster.address unset for a local Ray") from None
 
 
+def check_backend_options(backend_cls: type, kwargs: dict[str, Any]) -> None:
+    """`generation.backend_kwargs` values the backend's constructor would refuse, through its optional
+    `check_options` classmethod (rollout's README), so that they fail here and not in the generation actor
+    after Ray started and the model loaded; after check_kwargs, which has checked names and plain types."""
+    check = getattr(backend_cls, "check_options", None)
+    if check is None:
+        return
+    key = "generation.backend_kwargs"
+    try:
+        check(kwargs, prefix=f"{key}.")
+    except (ValueError, TypeError) as exc:
+        message = str(exc)  # a hook that ignores `prefix` still gets the section named
+        raise ConfigError(message if message.startswith(key) else f"{key}: {message}") from None
+
+
 def check_backend_installed(cfg: GRPOConfig, backend_cls: type) -> None:
     """A local run's generation backend finds its optional modules (else it fails inside a Ray actor); on a
     cluster the workers' Python is not the driver's, so it is not checked."""
@@ -341,6 +357,7 @@ def preflight(cfg: GRPOConfig) -> GRPOConfig:
     engine_cfg = engine_cls.validate_config(cfg.policy) if isinstance(engine_cls, ValidatesConfig) else None
     backend_cls = GENERATION_BACKENDS.get(cfg.generation.backend, config_key="generation.backend")
     check_kwargs(backend_cls, cfg.generation.backend_kwargs, "generation.backend_kwargs", given=("model_path",))
+    check_backend_options(backend_cls, cfg.generation.backend_kwargs)
     check_backend_installed(cfg, backend_cls)
     check_environment(cfg)
     check_reward_function(cfg)

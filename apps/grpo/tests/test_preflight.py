@@ -21,7 +21,7 @@ import ray
 from grpo_app.config import DEFAULT_CONFIG, GRPOConfig, load_config
 from grpo_app.main import main
 from grpo_app.model_check import check_model_dir
-from grpo_app.preflight import INT_BOUNDS, preflight
+from grpo_app.preflight import INT_BOUNDS, check_backend_options, preflight
 from rl_core.config import ConfigError
 from rl_core.testing.tiny_models import ARCHITECTURES, cached_tiny_checkpoint
 
@@ -176,6 +176,51 @@ def test_backend_kwargs_list_of_the_wrong_type_fails_before_ray(caplog):
                           "is written [1, 2])") in text
     code, text = run_main(caplog, "generation.backend_kwargs.batch_buckets=[1, x]")
     assert code == 2 and "batch_buckets must be a list of int; got list [1, 'x']" in text
+
+
+@pytest.mark.parametrize("backend, override, message", [
+    ("torch", "block_size=0", "generation.backend_kwargs.block_size=0 must be >= 1"),
+    ("torch", "kv_cache_tokens=8", "generation.backend_kwargs.kv_cache_tokens=8 must be >= block_size (16), or null "
+                                   "to size the cache per call"),
+    ("torch", "max_prefill_tokens=-1", "generation.backend_kwargs.max_prefill_tokens=-1 must be >= 1"),
+    ("torch", "compact_fraction=0", "generation.backend_kwargs.compact_fraction=0 must be in (0, 1]"),
+    ("torch", "dtype=fp16", "generation.backend_kwargs.dtype='fp16' must be one of ['bfloat16', 'float16', 'float32']"),
+    ("torch", "device=gpu", "generation.backend_kwargs.device='gpu' must be a torch device string such as 'cpu', "
+                            "'cuda' or 'cuda:1'"),
+    ("torch", "batch_buckets=[0, 8]", "generation.backend_kwargs.batch_buckets=[0, 8] must be a non-empty list of "
+                                      "batch sizes >= 1"),
+    ("torch", "attn_implementation=spda", "generation.backend_kwargs.attn_implementation='spda' must be one of"),
+    ("vllm", "gpu_memory_utilization=1.5", "generation.backend_kwargs.gpu_memory_utilization=1.5 must be in (0, 1]"),
+    ("vllm", "tensor_parallel_size=0", "generation.backend_kwargs.tensor_parallel_size=0 must be >= 1"),
+    ("vllm", "dtype=fp16", "generation.backend_kwargs.dtype='fp16' must be one of ['auto', 'half', 'float16', "
+                           "'bfloat16', 'float', 'float32']"),
+])
+def test_backend_option_value_fails_before_ray(caplog, backend, override, message):
+    """A value only the backend's constructor refused (its `check_options`) failed in the generation actor, after
+    Ray started and the model loaded; now one error line names the key, the value and what is allowed. vLLM
+    need not be installed: its options are checked before the check that it is."""
+    start = time.monotonic()
+    code, text = run_main(caplog, f"generation.backend={backend}", f"generation.backend_kwargs.{override}")
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert code == 2 and errors == [errors[0]] and errors[0].startswith(message) and "\n" not in errors[0], text
+    assert time.monotonic() - start < 15
+
+
+def test_backend_options_hook_is_optional_and_its_errors_name_the_section():
+    """Any registered backend may define `check_options` (rollout's README); preflight knows no option names."""
+    class NoHook:
+        pass
+
+    class ThirdParty:
+        @classmethod
+        def check_options(cls, options, *, prefix=""):
+            if options.get("width", 2) % 2:
+                raise ValueError("width must be even")  # ignores `prefix`
+
+    check_backend_options(NoHook, {"anything": -1})
+    check_backend_options(ThirdParty, {"width": 4})
+    with pytest.raises(ConfigError, match=r"^generation\.backend_kwargs: width must be even$"):
+        check_backend_options(ThirdParty, {"width": 3})
 
 
 def test_env_name_on_the_command_line_drops_the_files_env_kwargs(caplog, tmp_path):

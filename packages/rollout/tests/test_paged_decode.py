@@ -118,7 +118,7 @@ def test_allocator_and_cache_size_errors(tiny_ckpt, prompts):
     alloc.release(blocks)
     with pytest.raises(RuntimeError, match="released more often"):
         alloc.release([1])
-    with pytest.raises(ValueError, match="kv_cache_tokens >= block_size"):
+    with pytest.raises(ValueError, match=r"kv_cache_tokens=2 must be >= block_size \(4\)"):
         paged(tiny_ckpt, kv_cache_tokens=2)
     small = paged(tiny_ckpt, kv_cache_tokens=8)
     with pytest.raises(ValueError, match=r"kv_cache_tokens"):

