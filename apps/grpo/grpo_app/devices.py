@@ -152,6 +152,8 @@ def resolve_external_launcher(kwargs: dict[str, Any], device: str, world_size: i
     """
     kwargs.setdefault("distributed_executor_backend", "external_launcher")
     tp = generation_tp_size(kwargs)
+    if tp < 1:  # before the modulo below; the backend's check_options would say the same, but later
+        raise ConfigError(f"generation.backend_kwargs.tensor_parallel_size={tp} must be >= 1")
     if world_size % tp:
         raise ConfigError(f"generation.backend_kwargs.tensor_parallel_size={tp} must divide "
                           f"cluster.train_world_size={world_size} when the generator lives in the policy ranks")

@@ -65,6 +65,7 @@ VLLM_IN_POLICY = ["generation.backend=vllm", "generation.in_policy_workers=true"
 BAD_VLLM_IN_POLICY = [
     (EIGHT_GPUS, ["generation.backend_kwargs.tensor_parallel_size=3"],
      "tensor_parallel_size=3 must divide cluster.train_world_size=4"),
+    (EIGHT_GPUS, ["generation.backend_kwargs.tensor_parallel_size=0"], "tensor_parallel_size=0 must be >= 1"),
     (EIGHT_GPUS, ["generation.backend_kwargs.data_parallel_size=4"], "data_parallel_size=4 .* remove the key"),
     (NO_GPU, ["generation.backend_kwargs.tensor_parallel_size=2"], "errno: 17"),
     (NO_GPU, ["generation.backend_kwargs.enable_sleep_mode=true"], "CPU backend has no sleep mode"),
