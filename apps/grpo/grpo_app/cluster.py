@@ -1,16 +1,19 @@
 """Placement and fan-out: start Ray, place the worker groups, and give the loop batch-level calls.
 
-Owns: `ray.init` (a local Ray whose servers listen on 127.0.0.1 only, or `cluster.address`), the placement group on GPU
-clusters, DP sharding of batches (token-balanced with seqpack), the refit wiring, and the colocation phases
-(grpo_app.colocation) around every call. The loop sees one object, `Workers`.
+Owns: `ray.init` (a local Ray whose servers listen on 127.0.0.1 only, or `cluster.address`) and `ray.shutdown`, the
+placement group on GPU clusters, DP sharding of batches (token-balanced with seqpack), the refit wiring, and the
+colocation phases (grpo_app.colocation) around every call. The loop sees one object, `Workers`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
+import signal
 import tempfile
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -40,6 +43,10 @@ LOOPBACK = "127.0.0.1"
 # How long a cluster that nodes can still join (cluster.address) gets to place the layout's GPUs before the run
 # stops with an error naming the cluster.* keys (an autoscaler bringing up GPU nodes takes minutes, not this).
 PLACEMENT_TIMEOUT_S = 1800.0
+# How long a stopping run waits for the reward workers to close their scoring pools (Workers.shutdown): a pool
+# closes in well under a second once the batch it is scoring ends, and that batch is bounded by the reward's
+# time limit (default 10 s; a longer wait would hold up every Ctrl-C).
+REWARD_CLOSE_TIMEOUT_S = 5.0
 
 
 def start_ray(cfg: GRPOConfig) -> None:
@@ -78,6 +85,24 @@ def start_ray(cfg: GRPOConfig) -> None:
     # machine (ray.init() would join it, and then refuses num_cpus)
     ray.init(address="local", num_cpus=cfg.cluster.num_cpus or os.cpu_count(), include_dashboard=False,
              _node_ip_address=LOOPBACK, log_to_driver=True, configure_logging=False)
+
+
+def stop_ray() -> None:
+    """`ray.shutdown()`, with this process's SIGTERM handler kept. When the driver's core worker shuts down, Ray
+    resets SIGTERM to the default action (RayLog::UninstallSignalAction, undoing the handler ray.init installed,
+    whoever replaced it since), and a local Ray's processes then take ~1.3 s to stop: a SIGTERM in that time
+    killed the driver (exit -15, no last line). So: disconnect first, re-install the handler, then stop them."""
+    from ray._private import worker as ray_worker
+
+    handler = signal.getsignal(signal.SIGTERM)
+    node, ray_worker._global_node = ray_worker._global_node, None  # ray.shutdown then leaves the processes be
+    ray.shutdown()
+    if handler is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler)  # Python's record of it is unchanged: re-install it in the kernel
+    if node is not None:  # as ray.shutdown would have
+        if node.is_head():
+            node.destroy_external_storage()
+        node.kill_all_processes(check_alive=False, allow_graceful=True, wait=False)
 
 
 # Every actor's role in the run, by Ray actor id: Ray's errors name an actor by id and class only, and a run
@@ -427,9 +452,22 @@ class Workers:
         return checked
 
     def shutdown(self) -> None:
-        for actor in (*self.policy, *([] if self.in_process else self.generators), *self.rewarders):
+        """Kill every actor. The reward workers first close their environments, for up to REWARD_CLOSE_TIMEOUT_S
+        (a close waits for the batch the worker is scoring): ray.kill ends a process with nothing of it run, and
+        a closed scoring pool has removed its scratch directories (else the next run on the node removes them)."""
+        closing = [w.__ray_call__.remote(lambda worker: _close_environment(worker.env)) for w in self.rewarders]
+        for actor in (*self.policy, *([] if self.in_process else self.generators)):
             ray.kill(actor)
         self.placement.remove()  # else the GPUs stay reserved until the driver exits
         self._scoring.shutdown(wait=True)
-        if hasattr(self.local_env, "close"):  # stop its scoring subprocesses (Environment has no close())
-            self.local_env.close()
+        _close_environment(self.local_env)
+        done, _ = ray.wait(closing, num_returns=len(closing), timeout=REWARD_CLOSE_TIMEOUT_S)
+        with contextlib.suppress(ray.exceptions.RayError):  # a reward worker that died has nothing to close
+            ray.get(done)
+        for actor in self.rewarders:
+            ray.kill(actor)
+
+
+def _close_environment(env: Any) -> None:
+    if hasattr(env, "close"):  # stop its scoring subprocesses (Environment has no close())
+        env.close()

@@ -7,11 +7,13 @@ resumes from the newest intact checkpoint in the run directory if there is one, 
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import logging
 import signal
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import ray
@@ -45,47 +47,71 @@ class Terminated(BaseException):
     Exception` on the way up takes it for an error of its own."""
 
 
+@dataclass
+class StopState:
+    """`first`: the signal that stopped the run (it sets the exit code). From then on, and from `cleaning_up` on,
+    a signal does not raise: `warned` once it has been answered."""
+
+    first: int | None = None
+    cleaning_up: bool = False
+    warned: bool = False
+
+
 @contextlib.contextmanager
-def sigterm_stops_the_run() -> Iterator[None]:
+def signals_stop_the_run() -> Iterator[StopState]:
     """Once Ray runs, SIGTERM ends the run as Ctrl-C does: the `finally` blocks kill the actors and close the
     metrics files, and `Terminated` comes out. Without it, the C++ handler ray.init installs aborts the driver
-    (exit -6, a stack dump, no cleanup). Call after ray.init, which replaces any earlier handler."""
+    (exit -6, a stack dump, no cleanup). Call after ray.init, which replaces any earlier handler.
+
+    Only the first SIGINT / SIGTERM raises, and it sets the exit code. A later one, or one during the cleanup, lets
+    the cleanup finish: raised inside it (in ray.shutdown, say), a second Ctrl-C printed a traceback, could crash
+    the driver (exit -11) and left Ray's agents and the reward scratch directories behind. Not "stop faster": the
+    cleanup is bounded (cluster.REWARD_CLOSE_TIMEOUT_S for the reward workers, then ~1.5 s of ray.shutdown), and
+    what a faster stop would skip is what leaves processes or directories behind; SIGKILL still ends it at once."""
+    state = StopState()
     if threading.current_thread() is not threading.main_thread():  # handlers belong to the main thread
-        yield
+        yield state
         return
-    received = []
 
-    def interrupt(signum: int, frame: object) -> None:
-        # A KeyboardInterrupt, not Terminated: raised while the driver blocks in ray.wait / ray.get, Ray turns a
-        # KeyboardInterrupt into one of its own and drops any other exception, and the wait goes on (measured:
-        # a SIGTERM raising Terminated during a generation did not stop the run).
-        received.append(signum)
-        raise KeyboardInterrupt
+    def stop(signum: int, frame: object) -> None:
+        if state.first is None and not state.cleaning_up:
+            state.first = signum
+            # A KeyboardInterrupt, not Terminated: raised while the driver blocks in ray.wait / ray.get, Ray turns
+            # a KeyboardInterrupt into one of its own and drops any other exception, and the wait goes on
+            # (measured: a SIGTERM raising Terminated during a generation did not stop the run).
+            raise KeyboardInterrupt
+        if not state.warned:
+            state.warned = True
+            logger.warning("%s: the run is already stopping; it ends once its workers and Ray are shut down "
+                           "(seconds)", signal.Signals(signum).name)
 
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield
+        yield state
     except KeyboardInterrupt:
-        if received:
+        if state.first == signal.SIGTERM:
             raise Terminated() from None
         raise
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def run_training(cfg: GRPOConfig, inputs: RunInputs, resume_point: ResumePoint | None = None) -> dict[str, float]:
     """Build the workers and run the loop (from `resume_point` if given); returns the final validation metrics."""
     from grpo_app.build import build_run, resume
-    from grpo_app.cluster import start_ray
+    from grpo_app.cluster import start_ray, stop_ray
 
     log_dir = Path(cfg.logger.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     (log_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     logger.info("resolved config (saved to %s):\n%s", log_dir / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    owns_ray = not ray.is_initialized()
     start_ray(cfg)
-    with sigterm_stops_the_run():
-        run = build_run(cfg, inputs, resume_point)
+    with signals_stop_the_run() as stop:
+        run = None
         try:
+            run = build_run(cfg, inputs, resume_point)
             from grpo_app.loop import train
 
             train(run, start_step=resume(run, resume_point))
@@ -95,8 +121,12 @@ def run_training(cfg: GRPOConfig, inputs: RunInputs, resume_point: ResumePoint |
             _, val = run.sink.series("val/reward_mean")
             return {"val_reward_first": val[0], "val_reward_last": val[-1]} if val else {}
         finally:
-            run.sink.close()
-            run.workers.shutdown()
+            stop.cleaning_up = True  # from here on a signal does not interrupt it (signals_stop_the_run)
+            if run is not None:
+                run.sink.close()
+                run.workers.shutdown()
+            if owns_ray:  # here, not in ray.init's exit hook: a signal there interrupted it (signals_stop_the_run)
+                stop_ray()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,12 +156,26 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("run stopped: %s%s", describe_failure(exc), _resume_hint(cfg))
         return 1
     except KeyboardInterrupt:
+        _ignore_signals_at_exit()
         logger.error("run stopped: interrupted (SIGINT)%s", _resume_hint(cfg))
         return 130
     except Terminated:
+        _ignore_signals_at_exit()
         logger.error("run stopped: terminated (SIGTERM)%s", _resume_hint(cfg))
         return 143
     return 0
+
+
+def _ignore_signals_at_exit() -> None:
+    """Ignore SIGINT and SIGTERM from the first exit hook on. A run a signal stopped is cleaned up, and only the exit
+    is left, whose Python teardown (~1.5 s with torch and Ray loaded) a further signal would end by that signal
+    (exit -2 / -15, not 130 / 143). At exit and not now: an ignored signal is inherited by every process started
+    afterwards, which would then ignore SIGTERM too (a test calling main() would hang the suite's later ones)."""
+    def ignore() -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)
+
+    atexit.register(ignore)  # registered last, run first
 
 
 def _resume_hint(cfg: GRPOConfig) -> str:

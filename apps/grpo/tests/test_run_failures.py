@@ -11,8 +11,10 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import ray.exceptions
@@ -21,6 +23,7 @@ from ray.core.generated.common_pb2 import ActorDiedErrorContext
 import grpo_app.main as cli
 from grpo_app import cluster
 
+APP = Path(__file__).resolve().parents[1]  # apps/grpo: `python apps/grpo` runs the trainer
 ACTOR_ID = "219c713806fdc03a988613f401000000"
 WORKER_TRACEBACK = ('Traceback (most recent call last):\n  File "grpo_app/workers.py", line 112, in train\n'
                     '    metrics = self.engine.train_batch(batch, loss_fn)\nRuntimeError: loss is NaN at micro-batch 3\n')
@@ -95,11 +98,36 @@ def test_an_actor_that_failed_to_start_is_named():
 
 def test_sigterm_raises_in_the_main_thread_and_the_handler_is_restored():
     before = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(cli.Terminated), cli.sigterm_stops_the_run():
+    with pytest.raises(cli.Terminated), cli.signals_stop_the_run():
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)  # the signal ends the sleep: its handler raises here
     assert signal.getsignal(signal.SIGTERM) is before
 
+
+
+def test_only_the_first_signal_raises_and_the_cleanup_runs_to_its_end(caplog):
+    """SIGTERM stops the run; a Ctrl-C and another SIGTERM during its cleanup neither interrupt it nor change the
+    exit (Terminated: 143), and are answered with one warning; a signal during the cleanup of a run that ended
+    by itself raises nothing. Before, the second signal raised inside the cleanup (in ray.shutdown, say)."""
+    cleaned = []
+    with caplog.at_level(logging.WARNING, logger="grpo"), pytest.raises(cli.Terminated):
+        with cli.signals_stop_the_run():
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)  # the signal ends the sleep: its handler raises here
+            finally:
+                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.1)
+                cleaned.append(True)
+    assert cleaned == [True]
+    assert [r.getMessage() for r in caplog.records] == [
+        "SIGINT: the run is already stopping; it ends once its workers and Ray are shut down (seconds)"]
+    with cli.signals_stop_the_run() as stop:
+        stop.cleaning_up = True
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 WAITS_ON_RAY = textwrap.dedent('''
     import sys, time
@@ -108,7 +136,7 @@ WAITS_ON_RAY = textwrap.dedent('''
 
     from grpo_app.cluster import start_ray
     from grpo_app.config import load_config
-    from grpo_app.main import Terminated, sigterm_stops_the_run
+    from grpo_app.main import Terminated, signals_stop_the_run
 
     start_ray(load_config(None, ["cluster.num_cpus=1"]))
 
@@ -118,7 +146,7 @@ WAITS_ON_RAY = textwrap.dedent('''
 
     ref = generate_forever.remote()
     try:
-        with sigterm_stops_the_run():
+        with signals_stop_the_run():
             print("waiting", flush=True)
             ray.wait([ref])  # as the loop waits for the generators (cluster.generate_by_replica)
     except Terminated:
@@ -143,6 +171,53 @@ def test_sigterm_stops_a_driver_blocked_in_ray_wait(tmp_path):
         assert proc.wait(timeout=60) == 143
         assert time.monotonic() - start < 15
         assert proc.stdout.read() == "terminated\n"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_signals_during_the_cleanup_leave_one_line_exit_130_and_nothing_behind(tmp_path):
+    """Ctrl-C mid-run, then SIGTERM and Ctrl-C in turn every 0.25 s until the driver exits, so that one lands in
+    each part of the cleanup (closing the reward pools, killing the actors, ray.shutdown, the interpreter's exit):
+    the run still ends with one `run stopped: interrupted (SIGINT)` line and exit code 130, no traceback, every
+    process it started gone and no reward scratch directory left. Before: a second Ctrl-C raised inside
+    ray.shutdown (a traceback, exit -11, Ray's agents left running), a SIGTERM after it killed the driver (-15:
+    Ray resets SIGTERM as it shuts down), and ray.kill left every reward pool's directory for the next run."""
+    import psutil
+
+    log_dir, log, temp = tmp_path / "run", tmp_path / "run.log", tmp_path / "tmp"
+    temp.mkdir()
+    overrides = ["grpo.max_steps=1000", "grpo.val_every=0", "checkpointing.enabled=false", "logger.plot=false",
+                 "logger.tensorboard=false", "logger.progress_bar=false", f"logger.log_dir={log_dir}"]
+    # the run's reward pool directory under TMPDIR (tempfile); Ray's session where it would be (its socket paths
+    # would outgrow the 107 bytes of AF_UNIX under tmp_path)
+    env = {**os.environ, "TMPDIR": str(temp), "RAY_TMPDIR": tempfile.gettempdir()}
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, str(APP), *overrides], env=env, stdout=out, stderr=out,
+                                start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        metrics = log_dir / "metrics.jsonl"
+        while not (metrics.exists() and "train/loss" in metrics.read_text()):  # mid-run: a step is done
+            assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        driver = psutil.Process(proc.pid)
+        started = [driver, *driver.children(recursive=True)]  # Ray's GCS, raylet, workers, the reward pool
+        assert list(temp.glob("reward-pool-*")), "the run's reward pool has no directory under TMPDIR"
+        for signum in [signal.SIGINT] + [signal.SIGTERM, signal.SIGINT] * 40:
+            if proc.poll() is not None:
+                break
+            proc.send_signal(signum)
+            time.sleep(0.25)
+        assert proc.wait(timeout=60) == 130, log.read_text()[-3000:]
+        output = log.read_text()
+        stop_lines = [line for line in output.splitlines() if "run stopped:" in line]
+        assert len(stop_lines) == 1 and "run stopped: interrupted (SIGINT)" in stop_lines[0], output[-3000:]
+        assert output.rstrip().endswith(stop_lines[0]) and "Traceback" not in output, output[-3000:]
+        _, alive = psutil.wait_procs(started, timeout=20)
+        assert not alive, [" ".join(p.cmdline()) for p in alive]
+        assert not list(temp.glob("reward-pool-*"))
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
