@@ -321,14 +321,23 @@ def check_shared_dir(placement: Placement, directory: str | os.PathLike[str], ke
             "filesystem every node mounts at the same path (apps/grpo/GPU.md)")
 
 
+def cpu_threads(cfg: GRPOConfig, cores: int) -> int:
+    """torch threads of each policy rank and generation worker. On CPU the cores go to the processes that compute
+    at once: the policy ranks, and with grpo.async_rollouts the generation workers beside them (more threads than
+    cores would slow both sides down)."""
+    if cfg.cluster.gpus_per_node:
+        return 4
+    busy = cfg.cluster.train_world_size + (cfg.generation.num_workers if cfg.grpo.async_rollouts else 0)
+    return max(1, cores // busy)
+
+
 class Workers:
     """Every actor of a run, with batch-level operations for the loop."""
 
     def __init__(self, cfg: GRPOConfig) -> None:
         self.cfg = cfg
         world = cfg.cluster.train_world_size
-        gpus = cfg.cluster.gpus_per_node
-        threads = max(1, (os.cpu_count() or 1) // max(world, 1)) if not gpus else 4
+        threads = cpu_threads(cfg, os.cpu_count() or 1)
         placement = self.placement = Placement(cfg)
         if cfg.cluster.address and cfg.checkpointing.enabled:  # a local Ray is one machine: one filesystem
             check_shared_dir(placement, cfg.checkpoint_dir,

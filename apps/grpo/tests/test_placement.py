@@ -107,3 +107,15 @@ def test_a_cpu_run_places_policy_ranks_and_generation_workers_anywhere():
     placement = cluster.Placement(load_config(None, ["cluster.train_world_size=2", "generation.num_workers=2"]))
     options = [placement.policy_options(r) for r in range(2)] + [placement.generation_options(i) for i in range(2)]
     assert options == [{"num_cpus": 0, "num_gpus": 0}] * 4
+
+
+@pytest.mark.parametrize(("overrides", "cores", "threads"), [
+    ((), 2, 2),  # policy and generator take turns: each gets every core
+    (("grpo.async_rollouts=true", "generation.colocated=false"), 2, 1),  # side by side: one core each
+    (("grpo.async_rollouts=true", "generation.colocated=false", "cluster.train_world_size=2",
+      "generation.num_workers=2"), 8, 2),
+    (("cluster.train_world_size=2",), 1, 1),
+])
+def test_cpu_threads_split_the_cores_among_the_processes_that_compute_at_once(overrides, cores, threads):
+    cfg = load_config(None, ["policy.model_name=unused", *overrides], hardware=Hardware(False, False, 0))
+    assert cluster.cpu_threads(cfg, cores) == threads
