@@ -153,7 +153,7 @@ def resume(run: Run, point: ResumePoint | None) -> int:
         return 0
     run.workers.load_checkpoint(str(point.path / "policy"))
     run.train_prompts.load_state_dict(point.state["prompts"])
-    run.rollouts.restore(point.path)
+    run.rollouts.restore(point.path, point.step)
     run.workers.refit()
     logger.info("resumed from %s at step %d", point.path, point.step)
     return point.step

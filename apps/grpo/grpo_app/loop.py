@@ -124,13 +124,20 @@ class RolloutQueue:
         """The groups sampled ahead (after `wait`), pickled for a checkpoint; None if there are none."""
         return None if self._ready is None else pickle.dumps(self._ready)
 
-    def restore(self, checkpoint: Path) -> None:
-        """The groups a checkpoint holds for its next step, if any (a checkpoint of a verified run directory:
-        its manifest covers the file)."""
+    def restore(self, checkpoint: Path, step: int) -> None:
+        """The groups a checkpoint (of `step`) holds for its next step, if any (a checkpoint of a verified run
+        directory: its manifest covers the file). A checkpoint of a run's last step holds none (nothing was sampled
+        past the end), nor does an on-policy run's: resumed with `ahead` and a larger grpo.max_steps, `step` samples
+        its own groups with the checkpoint's weights, on-policy for that one step (said, not silently inexact)."""
         file = checkpoint / SAMPLED_AHEAD_FILE
         if file.is_file():
             self._ready = pickle.loads(file.read_bytes())  # noqa: S301 - our own checkpoint, verified
             logger.info("resuming with step %d's groups, sampled ahead before the checkpoint", self._ready[0])
+        elif self.ahead and step < self.max_steps:
+            logger.warning("%s holds no groups sampled ahead (the last step of its run, or an on-policy run): step %d "
+                           "samples its own now, with the checkpoint's weights, so its groups are on-policy and not one "
+                           "update old as in a run that had not stopped there (the steps after it are one update old again)",
+                           checkpoint, step)
 
 
 SAMPLED_AHEAD_FILE = "sampled_ahead.pkl"

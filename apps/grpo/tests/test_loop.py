@@ -310,6 +310,34 @@ def test_async_rollouts_resume_trains_on_the_groups_sampled_before_the_checkpoin
         assert [t.tolist() for t in got.advantages] == [t.tolist() for t in want.advantages]
 
 
+def test_async_rollouts_resumed_past_the_end_of_its_run_says_its_first_step_is_on_policy(tmp_path, caplog):
+    """A run's last checkpoint holds no groups sampled ahead (nothing is sampled past grpo.max_steps): resumed with
+    a larger max_steps, its first step samples its own groups with the checkpoint's weights (on-policy, unlike
+    the run that had not stopped there). That is said, not silently inexact; the steps after it are one update old."""
+    def run_in(log_dir: Path, max_steps: int) -> Run:
+        run = make_run(*ASYNC, f"grpo.max_steps={max_steps}", "grpo.val_every=0", "checkpointing.save_every=2",
+                       "logger.progress_bar=false")
+        run.workers = VersionedWorkers()
+        run.sink = MetricsSink(log_dir, tensorboard=False, resume_step=None)
+        run.checkpoints = CheckpointManager(log_dir / "checkpoints", keep_top_k=5, metric="m", higher_is_better=True)
+        return run
+
+    short = run_in(tmp_path / "short", 2)
+    loop.train(short)
+    path = tmp_path / "short/checkpoints/step_2"
+    longer = run_in(tmp_path / "longer", 4)
+    with caplog.at_level("WARNING", logger="grpo_app.loop"):
+        start = resume(longer, ResumePoint(path, short.checkpoints.load_state(path)))
+    assert start == 2 and "holds no groups sampled ahead" in caplog.text and "step 2 samples its own" in caplog.text
+    loop.train(longer, start_step=start)
+    assert sampled_versions(longer.workers) == [2, 2]  # step 2 on-policy; step 3 one update old again
+
+    caplog.clear()  # a checkpoint with its groups sampled ahead, or one at the end of the run: nothing to say
+    with caplog.at_level("WARNING", logger="grpo_app.loop"):
+        resume(run_in(tmp_path / "again", 2), ResumePoint(path, short.checkpoints.load_state(path)))
+    assert "sampled ahead" not in caplog.text
+
+
 def test_async_rollouts_error_in_the_sampling_thread_reaches_the_loop():
     class FailingReward(StubWorkers):
         calls = 0
