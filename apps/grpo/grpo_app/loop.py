@@ -8,6 +8,7 @@ only wires them in the order of the algorithm.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import logging
 import math
@@ -63,6 +64,7 @@ class SampledStep:
     rewards: torch.Tensor
     results: list[RewardResult]
     timer: PhaseTimer
+    ahead: bool = False  # sampled beside the previous step (grpo.async_rollouts), not on this step's time
 
 
 class RolloutQueue:
@@ -86,7 +88,10 @@ class RolloutQueue:
         """`step`'s groups (sampled ahead, or now); with `ahead`, the next step's start sampling."""
         self.wait()
         ready, self._ready = self._ready, None
-        sampled = ready[1] if ready is not None and ready[0] == step else self._sample(step)
+        if ready is not None and ready[0] == step:
+            sampled = dataclasses.replace(ready[1], ahead=True)
+        else:
+            sampled = self._sample(step)
         if self.ahead and step + 1 < self.max_steps:
             self._start(step + 1)
         return sampled
@@ -282,6 +287,8 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
     metrics["rollout/advantages_abs_mean"] = float(advantages.abs().mean())
     metrics.update({f"timing/{k}_s": v for k, v in timer.seconds.items()})
     metrics["timing/step_s"] = time.perf_counter() - start
+    if run.rollouts.ahead:
+        metrics["rollout/sampled_ahead"] = float(sampled.ahead)
     return metrics
 
 

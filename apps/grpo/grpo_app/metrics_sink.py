@@ -15,10 +15,10 @@ from rl_core.checkpoint_io import atomic_write_text
 
 logger = logging.getLogger(__name__)
 
-PHASES = ("generate", "reward", "logprobs", "train", "refit")
-# grpo.async_rollouts: generation and scoring run beside the previous step; a step waits only for what is left
-ASYNC_PHASES = ("rollout_wait", "logprobs", "train", "refit")
-OVERLAPPED = ("generate", "reward")
+# rollout_wait: grpo.async_rollouts only; a step's generation and scoring, where its groups were sampled ahead
+# (`rollout/sampled_ahead`), ran beside the previous step and are not part of its time
+PHASES = ("generate", "reward", "rollout_wait", "logprobs", "train", "refit")
+SAMPLING = ("generate", "reward")
 
 
 class MetricsSink:
@@ -74,12 +74,11 @@ class MetricsSink:
             ax_reward.plot(steps, values, marker="o" if key.startswith("val") else None, label=label)
         ax_reward.set(xlabel="step", ylabel="reward", title="Reward")
         ax_reward.legend()
-        steps, _ = self.series("timing/step_s")
+        steps, per_step = self._phase_times()
         bottom = [0.0] * len(steps)
-        for phase in self._critical_phases():
-            by_step = dict(zip(*self.series(f"timing/{phase}_s")))
-            if by_step:  # a phase a step did not have (async: the first step's wait) stacks as 0
-                values = [by_step.get(step, 0.0) for step in steps]
+        for phase in PHASES:
+            values = [times.get(phase, 0.0) for times in per_step]  # a phase a step did not have stacks as 0
+            if any(values):
                 ax_time.bar(steps, values, bottom=bottom, label=phase)
                 bottom = [a + b for a, b in zip(bottom, values)]
         ax_time.set(xlabel="step", ylabel="seconds", title="Step time by phase")
@@ -96,27 +95,33 @@ class MetricsSink:
         if val:
             lines.append(f"validation reward: {val[0]:.3f} -> {val[-1]:.3f} ({val[-1] - val[0]:+.3f})")
         lines.append(f"{'phase':<12} {'mean s/step':>12} {'share':>7}")
-        means = self._phase_means(self._critical_phases())
+        steps, per_step = self._phase_times()
+        means = {phase: sum(t.get(phase, 0.0) for t in per_step) / len(steps) for phase in PHASES
+                 if any(phase in t for t in per_step)}
         total = sum(means.values()) or 1.0
         for phase, mean in means.items():
             lines.append(f"{phase:<12} {mean:>12.3f} {mean / total:>6.1%}")
         lines.append(f"{'total':<12} {total:>12.3f}")
-        if self._critical_phases() == ASYNC_PHASES:
-            for phase, mean in self._phase_means(OVERLAPPED).items():
+        ahead = [r for r in self.history if r.get("rollout/sampled_ahead")]
+        if ahead:
+            for phase in SAMPLING:
+                mean = sum(r.get(f"timing/{phase}_s") or 0.0 for r in ahead) / len(ahead)
                 lines.append(f"{phase + ' *':<12} {mean:>12.3f}")
-            lines.append("* beside the previous step's logprobs and training (grpo.async_rollouts)")
+            lines.append(f"* of the {len(ahead)} steps whose groups were sampled beside the previous step's training "
+                         "(grpo.async_rollouts)")
         return "\n".join(lines)
 
-    def _critical_phases(self) -> tuple[str, ...]:
-        return ASYNC_PHASES if self.series("timing/rollout_wait_s")[0] else PHASES
-
-    def _phase_means(self, phases: tuple[str, ...]) -> dict[str, float]:
-        means = {}
-        for phase in phases:
-            _, values = self.series(f"timing/{phase}_s")
-            if values:
-                means[phase] = sum(values) / len(values)
-        return means
+    def _phase_times(self) -> tuple[list[int], list[dict[str, float]]]:
+        """The steps, and the seconds of each phase a step spent itself (not what ran beside the step before)."""
+        steps, per_step = [], []
+        for record in self.history:
+            if record.get("timing/step_s") is None:
+                continue
+            beside = SAMPLING if record.get("rollout/sampled_ahead") else ()
+            steps.append(record["step"])
+            per_step.append({phase: record[f"timing/{phase}_s"] for phase in PHASES
+                             if phase not in beside and record.get(f"timing/{phase}_s") is not None})
+        return steps, per_step
 
     def close(self) -> None:
         if self.writer is not None:

@@ -364,15 +364,20 @@ def test_async_rollouts_layouts_that_cannot_overlap_are_config_errors(overrides,
         load_config(None, ["policy.model_name=unused", *overrides])
 
 
-def test_async_summary_counts_the_wait_not_the_overlapped_generation(tmp_path):
+def test_async_summary_counts_the_wait_not_the_generation_sampled_beside_the_step_before(tmp_path):
+    """Step 0 samples its own groups (on its time) and waits 0.5 s for step 1's; step 1's were sampled beside step
+    0's training. The table's total is the mean time the steps spent themselves, computed here by hand."""
     sink = MetricsSink(tmp_path, tensorboard=False, resume_step=None)
     sink.log(0, {"timing/generate_s": 4.0, "timing/reward_s": 1.0, "timing/logprobs_s": 0.0, "timing/train_s": 3.0,
-                 "timing/refit_s": 1.0, "timing/step_s": 9.0})  # the first step samples before it trains
+                 "timing/rollout_wait_s": 0.5, "timing/refit_s": 1.0, "timing/step_s": 9.6,
+                 "rollout/sampled_ahead": 0.0})
     sink.log(1, {"timing/generate_s": 2.0, "timing/reward_s": 1.0, "timing/logprobs_s": 0.0, "timing/train_s": 5.0,
-                 "timing/rollout_wait_s": 0.5, "timing/refit_s": 1.0, "timing/step_s": 6.5})
-    lines = sink.summary().splitlines()
-    table = {line.split()[0]: line.split()[1:] for line in lines}
-    assert table["rollout_wait"][0] == "0.500" and table["train"][0] == "4.000"
-    assert table["total"] == [f"{0.5 + 0.0 + 4.0 + 1.0:.3f}"]
-    assert table["generate"] == ["*", "3.000"] and "reward" in table
-    assert sink.plot(tmp_path / "summary.png").stat().st_size > 0  # step 0 has no wait: stacked as 0
+                 "timing/refit_s": 1.0, "timing/step_s": 6.1, "rollout/sampled_ahead": 1.0})
+    rows = [line.split() for line in sink.summary().splitlines()[1:]]
+    own = {row[0]: row[1] for row in rows if row[1] != "*"}  # phase -> mean s/step the steps spent themselves
+    beside = {row[0]: row[2] for row in rows if row[1] == "*"}
+    per_step = [4.0 + 1.0 + 0.5 + 0.0 + 3.0 + 1.0, 0.0 + 5.0 + 1.0]  # step 1: its sampling ran beside step 0
+    assert own["total"] == f"{sum(per_step) / 2:.3f}"
+    assert (own["generate"], own["rollout_wait"], own["train"]) == ("2.000", "0.250", "4.000")
+    assert beside == {"generate": "2.000", "reward": "1.000"}  # step 1's own sampling times
+    assert sink.plot(tmp_path / "summary.png").stat().st_size > 0
