@@ -34,17 +34,6 @@ TORCH_CASES = [
 ]
 
 
-@pytest.mark.parametrize("options, message", TORCH_CASES)
-def test_torch_constructor_raises_the_check_options_message_before_loading(options, message):
-    with pytest.raises(ValueError) as from_hook:
-        TorchGenerationBackend.check_options(options, prefix="generation.backend_kwargs.")
-    assert str(from_hook.value).startswith(f"generation.backend_kwargs.{message}"), from_hook.value
-    with pytest.raises(ValueError) as from_constructor:
-        TorchGenerationBackend(MISSING, **options)
-    assert str(from_constructor.value) == str(from_hook.value).replace("generation.backend_kwargs.",
-                                                                      "TorchGenerationBackend ")
-
-
 def test_torch_check_options_accepts_what_the_constructor_runs_with():
     TorchGenerationBackend.check_options({})  # every default
     TorchGenerationBackend.check_options({"kv_cache_tokens": 8, "block_size": 4})
@@ -62,22 +51,27 @@ def test_attn_implementation_typo_names_the_closest():
         TorchGenerationBackend.check_options({"attn_implementation": "spda"})
 
 
-@pytest.mark.parametrize("options, message", [
+VLLM_CASES = [
     ({"tensor_parallel_size": 0}, "tensor_parallel_size=0 must be >= 1"),
     ({"dtype": "fp16"}, "dtype='fp16' must be one of ['auto', 'half', 'float16', 'bfloat16', 'float', 'float32']"),
     ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization=0.0 must be in (0, 1]"),
     ({"gpu_memory_utilization": 1.2}, "gpu_memory_utilization=1.2 must be in (0, 1]"),
     ({"refit": "tensor"}, "refit='tensor' must be one of ['auto', 'tensors', 'path']"),
-])
-def test_vllm_constructor_raises_the_check_options_message_before_importing_vllm(options, message):
-    """Checked before vLLM is imported: the same ValueError with and without vLLM installed."""
+]
+CASES = [(TorchGenerationBackend, *case) for case in TORCH_CASES] + [(VLLMGenerationBackend, *case) for case in VLLM_CASES]
+
+
+@pytest.mark.parametrize("backend, options, message", CASES, ids=[f"{b.__name__[:5]}-{m.split('=')[0]}" for b, _, m in CASES])
+def test_constructor_raises_the_check_options_message_before_loading(backend, options, message):
+    """The constructor refuses what the hook refuses, with its message, before it loads a model (the torch backend)
+    or imports vLLM (the same ValueError with and without vLLM installed)."""
     with pytest.raises(ValueError) as from_hook:
-        VLLMGenerationBackend.check_options(options, prefix="generation.backend_kwargs.")
+        backend.check_options(options, prefix="generation.backend_kwargs.")
     assert str(from_hook.value).startswith(f"generation.backend_kwargs.{message}"), from_hook.value
     with pytest.raises(ValueError) as from_constructor:
-        VLLMGenerationBackend(MISSING, **options)
+        backend(MISSING, **options)
     assert str(from_constructor.value) == str(from_hook.value).replace("generation.backend_kwargs.",
-                                                                      "VLLMGenerationBackend ")
+                                                                      f"{backend.__name__} ")
 
 
 def test_vllm_check_options_leaves_its_own_keywords_and_unbounded_values_to_vllm():
