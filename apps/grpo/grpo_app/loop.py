@@ -253,9 +253,10 @@ def sample_step(run: Run, step: int) -> SampledStep:
     return SampledStep(prompts, completions, rewards, results, timer)
 
 
-def on_policy(cfg: GRPOConfig, num_samples: int) -> bool:
+def one_update_per_batch(cfg: GRPOConfig, num_samples: int) -> bool:
     """One optimizer step per batch: the weights that train on it are the ones that would score prev
-    logprobs, so the separate logprob pass is skipped (ClippedPGLoss uses its forward's, detached)."""
+    logprobs, so the separate logprob pass is skipped (ClippedPGLoss uses its forward's, detached). The
+    sampler's weights may still differ (grpo.async_rollouts): loss.importance weighs that gap."""
     return num_samples <= cfg.policy.train_global_batch_size
 
 
@@ -270,7 +271,7 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
                                  clip=cfg.grpo.advantage_clip)
     batch = build_batch(prompts, completions, advantages, cfg.grpo.overlong_filtering)
     with timer("logprobs"):
-        if not on_policy(run.cfg, len(batch)):  # on-policy, the loss takes prev from its own forward
+        if not one_update_per_batch(run.cfg, len(batch)):  # else the loss takes prev from its own forward
             batch = batch.with_fields(prev_logprobs=run.workers.compute_logprobs(batch))
         if cfg.loss.kl_coef:
             batch = batch.with_fields(ref_logprobs=run.workers.compute_logprobs(batch, reference=True))
@@ -353,7 +354,7 @@ def train(run: Run, start_step: int = 0) -> None:
     if cfg.async_rollouts:
         logger.info("grpo.async_rollouts: each step's groups are sampled while the step before trains, by the weights "
                     "one update older than those they train (importance-weighted by loss.importance)")
-    if on_policy(run.cfg, cfg.num_prompts_per_step * cfg.num_generations_per_prompt):
+    if one_update_per_batch(run.cfg, cfg.num_prompts_per_step * cfg.num_generations_per_prompt):
         logger.info("one optimizer step per batch: prev logprobs come from the training forward")
     for step in bar:
         val = validation(step) if due(step) else {}  # the weights before this step's update
