@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The python 3.12 / megatron-core 0.19 lane: the engine-megatron and ckpt-convert suites in .venv-py312.
+# The python 3.12 / megatron-core 0.19 lane: every package's and the cross-package quick suites (-m "not slow")
+# in .venv-py312.
 #
 # Why: on python >= 3.12 uv.lock resolves megatron-core 0.19 (0.16 on 3.11, the default .venv), and
-# megatron-core changes private and public APIs between them. The venv (.venv-py312, gitignored) is
+# megatron-core changes private and public APIs between them; and the project supports both pythons. The venv (.venv-py312, gitignored) is
 # synced from the same lock; uv only uses a python 3.12 that is already installed (never downloads).
 # Python: $PY312, else a working `python3.12` on PATH, `uv python find 3.12`, or pyenv's 3.12.
 # Usage: bash scripts/py312_lane.sh [extra pytest args]
@@ -23,4 +24,4 @@ fi
 echo "py312 lane: $PY -> .venv-py312 (megatron-core from uv.lock for python 3.12)" >&2
 export UV_PROJECT_ENVIRONMENT=.venv-py312 UV_PYTHON_DOWNLOADS=never
 uv sync --locked --python "$PY" --quiet
-.venv-py312/bin/python -m pytest -m "not slow and not vllm" packages/engine-megatron packages/ckpt-convert "$@"
+.venv-py312/bin/python -m pytest -m "not slow and not vllm and not gpu" packages apps tests "$@"

