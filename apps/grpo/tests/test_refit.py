@@ -6,6 +6,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from grpo_app.refit import RefitGroup
 from rl_core.testing.distributed import free_port, run_distributed
@@ -21,8 +22,17 @@ def tensors() -> list[tuple[str, torch.Tensor]]:
     ]
 
 
-def _refit(rank: int, world_size: int, port: int):
-    group = RefitGroup("127.0.0.1", port, rank, world_size)
+def _agreed_port() -> int:
+    """A free port for the refit group, picked by rank 0 once run_distributed's own group holds its port, and sent
+    to every rank: two free_port() calls in the test's process could return the same port, which both groups then
+    bind ("Address already in use", seen in CI)."""
+    port = [free_port() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(port, src=0)
+    return port[0]
+
+
+def _refit(rank: int, world_size: int):
+    group = RefitGroup("127.0.0.1", _agreed_port(), rank, world_size)
     if rank == 0:
         return group.send(tensors())
     return list(group.receive())
@@ -30,7 +40,7 @@ def _refit(rank: int, world_size: int, port: int):
 
 @pytest.mark.distributed
 def test_refit_broadcasts_every_tensor_bit_exactly():
-    results = run_distributed(_refit, world_size=3, args=(free_port(),))
+    results = run_distributed(_refit, world_size=3)
     sent = tensors()
     assert results[0] == sum(t.numel() * t.element_size() for _, t in sent)
     for received in results[1:]:
@@ -39,9 +49,9 @@ def test_refit_broadcasts_every_tensor_bit_exactly():
             assert a.dtype == b.dtype and torch.equal(a, b)
 
 
-def _refused_refit(rank: int, world_size: int, port: int):
+def _refused_refit(rank: int, world_size: int):
     """Rank 0 sends a tensor of the wrong shape, then a good refit; rank 1's loader refuses the bad one."""
-    group = RefitGroup("127.0.0.1", port, rank, world_size, timeout_s=20.0)  # old code: blocked until here
+    group = RefitGroup("127.0.0.1", _agreed_port(), rank, world_size, timeout_s=20.0)  # old code: blocked until here
     good = tensors()
     bad = [(name, torch.zeros(2, 2) if i == 1 else t) for i, (name, t) in enumerate(good)]
     bad.insert(2, ("model.norm.weight", torch.zeros(2**22)))  # 16 MB: more than socket buffers hold
@@ -71,8 +81,7 @@ def _refused_refit(rank: int, world_size: int, port: int):
 def test_refused_tensor_raises_on_the_receiver_and_releases_the_sender():
     """A receiver that refuses a tensor still reads the stream to its end: it raises its error at once,
     the sender returns (not after the group timeout), and the next refit arrives whole."""
-    sent_s, (error, received_s, next_refit) = run_distributed(_refused_refit, world_size=2, args=(free_port(),),
-                                                             timeout=60)
+    sent_s, (error, received_s, next_refit) = run_distributed(_refused_refit, world_size=2, timeout=60)
     assert error == "update_weights: 'model.layers.0.self_attn.q_proj.bias' has shape (2, 2)"
     assert sent_s < 10 and received_s < 10, (sent_s, received_s)
     assert [n for n, _ in next_refit] == [n for n, _ in tensors()]
