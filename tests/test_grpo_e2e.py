@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = [
@@ -71,6 +73,34 @@ def test_few_steps_through_ray(tmp_path, engine):
     assert [r["step"] for r in records if "val/reward_mean" in r] == [0, 2, 3]
     assert (tmp_path / "run/summary.png").stat().st_size > 0
     assert sorted(p.name for p in (tmp_path / "run/checkpoints").glob("step_*")) == ["step_2", "step_3"]
+    assert not (tmp_path / "run/checkpoints/step_2/hf").exists()  # checkpointing.save_hf=final: the last one only
+    check_hf_copy_is_the_checkpointed_policy(tmp_path / "run/checkpoints/step_3", engine, tmp_path)
+
+
+def check_hf_copy_is_the_checkpointed_policy(checkpoint: Path, engine: str, tmp_path: Path) -> None:
+    """`<checkpoint>/hf` loads with transformers, and holds the weights the engine checkpoint holds, read back by
+    another path: torch's DCP reader (DTensor) or `ckpt-convert mcore2hf` (Megatron). Training changed them."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    exported = load_file(checkpoint / "hf/model.safetensors")
+    if engine == "megatron":
+        from ckpt_convert.convert import convert_mcore_to_hf
+
+        reference = load_file(convert_mcore_to_hf(checkpoint / "policy", tmp_path / "mcore2hf") / "model.safetensors")
+    else:
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        dcp_to_torch_save(checkpoint / "policy", tmp_path / "policy.pt")
+        reference = torch.load(tmp_path / "policy.pt", weights_only=True)["model"]
+        reference = {name: reference[name] for name in exported}  # tied lm_head: exported once, HF re-ties it
+    assert exported.keys() == reference.keys()
+    for name, tensor in exported.items():
+        torch.testing.assert_close(tensor, reference[name], rtol=0, atol=0, msg=name)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint / "hf")
+    config = yaml.safe_load((checkpoint.parents[1] / "config.yaml").read_text())  # the resolved model directory
+    initial = AutoModelForCausalLM.from_pretrained(config["policy"]["model_name"])
+    assert any(not torch.equal(p, q) for p, q in zip(model.state_dict().values(), initial.state_dict().values()))
 
 
 @pytest.mark.vllm

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from rl_core.checkpoint_io import (
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
+HF_DIR = "hf"  # the policy as a Hugging Face model directory (checkpointing.save_hf)
 
 
 @dataclass
@@ -57,9 +59,11 @@ class CheckpointManager:
         names = (p.name for p in self.root.glob("step_*") if p.is_dir())
         return sorted(int(name[5:]) for name in names if name[5:].isdigit())
 
-    def save(self, step: int, save_engine: Any, state: dict[str, Any], files: dict[str, bytes] | None = None) -> Path:
+    def save(self, step: int, save_engine: Callable[[str], None], state: dict[str, Any],
+             files: dict[str, bytes] | None = None, save_hf: Callable[[str], None] | None = None) -> Path:
         """`save_engine(path)` writes the policy; `state` is the trainer's JSON-serialisable state; `files`, more
-        of the trainer's state by file name (the groups sampled ahead)."""
+        of the trainer's state by file name (the groups sampled ahead); `save_hf(path)`, if given, a Hugging Face
+        copy of the policy (`HF_DIR`)."""
         final = self.root / f"step_{step}"
         self._recover()
         for stale in self.root.glob(".step_*.tmp-*"):  # what a killed save left behind
@@ -67,6 +71,8 @@ class CheckpointManager:
         state = {**state, "checkpoint_metric_name": self.metric}  # a score means nothing without its metric
         with atomic_dir(final) as tmp:
             save_engine(str(tmp / "policy"))
+            if save_hf is not None:
+                save_hf(str(tmp / HF_DIR))
             (tmp / STATE_FILE).write_text(json.dumps(state, indent=1, allow_nan=False))
             for name, data in (files or {}).items():
                 (tmp / name).write_bytes(data)

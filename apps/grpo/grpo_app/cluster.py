@@ -422,6 +422,11 @@ class Workers:
         self.colocation.to_training()
         ray.get([w.save_checkpoint.remote(os.path.abspath(path)) for w in self.policy])
 
+    def save_hf(self, path: str) -> None:
+        """Every policy rank takes part (the full tensors are gathered); rank 0 writes."""
+        self.colocation.to_training()
+        ray.get([w.save_hf.remote(os.path.abspath(path)) for w in self.policy])
+
     def load_checkpoint(self, path: str) -> None:
         self.colocation.to_training()
         ray.get([w.load_checkpoint.remote(os.path.abspath(path)) for w in self.policy])

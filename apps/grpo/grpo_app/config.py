@@ -156,6 +156,9 @@ class CheckpointConfig:
     keep_top_k: int = 2
     metric: str = "val/reward_mean"
     higher_is_better: bool = True
+    # a Hugging Face copy of the policy (safetensors + config + tokenizer) in `<checkpoint>/hf`, loadable by
+    # transformers and vLLM: in the run's last checkpoint, in every one, or none (`uv run apps/grpo export` later)
+    save_hf: Literal["final", "every", "never"] = "final"
     # resume even if policy.model_name, the engine, its parallel layout or env.name differ from the checkpoint's
     allow_config_change: bool = False
 

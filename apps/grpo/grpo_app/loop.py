@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from grpo_app.checkpoint import CheckpointManager, run_identity
+from grpo_app.checkpoint import HF_DIR, CheckpointManager, run_identity
 from grpo_app.cluster import Workers
 from grpo_app.config import GRPOConfig
 from grpo_app.metrics_sink import MetricsSink
@@ -375,5 +375,9 @@ def train(run: Run, start_step: int = 0) -> None:
                 logger.warning("checkpointing.metric=%r is not a metric of this run%s: keep-top-k keeps the newest "
                                "checkpoints only", ckpt.metric, f" (did you mean {near[0]!r}?)" if near else "")
             ahead = run.rollouts.ahead_bytes()
-            run.checkpoints.save(step + 1, run.workers.save_checkpoint, trainer_state(run, step + 1, metric),
-                                 files={SAMPLED_AHEAD_FILE: ahead} if ahead is not None else None)
+            with_hf = ckpt.save_hf == "every" or (ckpt.save_hf == "final" and done)
+            saved = run.checkpoints.save(step + 1, run.workers.save_checkpoint, trainer_state(run, step + 1, metric),
+                                         files={SAMPLED_AHEAD_FILE: ahead} if ahead is not None else None,
+                                         save_hf=run.workers.save_hf if with_hf else None)
+            if with_hf and done:
+                logger.info("trained policy as a Hugging Face model (transformers, vLLM): %s", saved / HF_DIR)

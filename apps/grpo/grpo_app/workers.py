@@ -117,6 +117,9 @@ class PolicyWorker(GeneratorHost):
     def save_checkpoint(self, path: str) -> None:
         self.engine.save_checkpoint(path)
 
+    def save_hf(self, path: str) -> None:
+        self.engine.save_hf(path)
+
     def load_checkpoint(self, path: str) -> None:
         self.engine.load_checkpoint(path)
 

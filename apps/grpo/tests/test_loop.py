@@ -259,6 +259,9 @@ class VersionedWorkers(StubWorkers):
         Path(path).mkdir(parents=True)
         (Path(path) / "version").write_text(str(self.policy_version))
 
+    def save_hf(self, path):
+        self.save_checkpoint(path)
+
     def load_checkpoint(self, path):
         self.policy_version = int((Path(path) / "version").read_text())
 

@@ -202,9 +202,14 @@ def test_tensorboard_events_past_the_resume_step_are_not_duplicated(tmp_path):
     assert got == [(0, 100.0), (1, 101.0), (2, 102.0), (3, 203.0), (4, 204.0), (5, 205.0)]
 
 
+def fake_hf_save(path: str) -> None:
+    Path(path).mkdir()
+    (Path(path) / "model.safetensors").write_bytes(b"weights")
+
+
 def stub_run(tmp_path, manager, *overrides: str) -> SimpleNamespace:
     return SimpleNamespace(cfg=config(*overrides, "logger.progress_bar=false"),
-                           workers=SimpleNamespace(save_checkpoint=fake_engine_save),
+                           workers=SimpleNamespace(save_checkpoint=fake_engine_save, save_hf=fake_hf_save),
                            sink=MetricsSink(tmp_path, tensorboard=False, resume_step=None), checkpoints=manager,
                            train_prompts=SimpleNamespace(state_dict=lambda: {}),
                            rollouts=loop.RolloutQueue(lambda step: None, ahead=False, max_steps=0))
@@ -230,6 +235,24 @@ def test_each_checkpoint_is_scored_with_its_own_steps_validation(tmp_path, monke
     logged = [(r["step"], r["val/reward_mean"]) for r in run.sink.history if "val/reward_mean" in r]
     assert logged == [(0, 0.1), (2, 0.9), (4, 0.2), (6, 0.5)]  # each validation once, at its own step
     assert all(math.isfinite(v) for _, v in logged)
+
+
+@pytest.mark.parametrize(("save_hf", "with_hf"), [("final", [5]), ("every", [2, 4, 5]), ("never", [])])
+def test_checkpointing_save_hf_puts_the_hf_model_in_the_last_every_or_no_checkpoint(tmp_path, monkeypatch, caplog,
+                                                                                     save_hf, with_hf):
+    monkeypatch.setattr(loop, "grpo_step", lambda run, step: {"rollout/reward_mean": 0.0})
+    manager = CheckpointManager(tmp_path / "ckpt", keep_top_k=5, metric="val/reward_mean", higher_is_better=True)
+    run = stub_run(tmp_path, manager, "grpo.max_steps=5", "grpo.val_every=0", "checkpointing.save_every=2",
+                   f"checkpointing.save_hf={save_hf}")
+    with caplog.at_level(logging.INFO, logger="grpo_app.loop"):
+        loop.train(run)
+    assert manager.steps() == [2, 4, 5]
+    assert [s for s in manager.steps() if (tmp_path / "ckpt" / f"step_{s}" / "hf").is_dir()] == with_hf
+    for step in with_hf:  # inside the checkpoint's manifest: a damaged HF copy is a damaged checkpoint
+        assert "hf/model.safetensors" in json.loads((tmp_path / "ckpt" / f"step_{step}" / "MANIFEST.json").read_text())["files"]
+    announced = [r.getMessage() for r in caplog.records if "Hugging Face model" in r.getMessage()]
+    assert announced == ([f"trained policy as a Hugging Face model (transformers, vLLM): {tmp_path / 'ckpt' / 'step_5' / 'hf'}"]
+                         if with_hf else [])
 
 
 def test_a_misspelt_checkpoint_metric_is_reported_once(tmp_path, monkeypatch, caplog):
