@@ -327,6 +327,20 @@ def check_engine_takes_model(engine_cls: type, model_dir: str) -> None:
         raise ConfigError(f"policy.model_name={model_dir!r}: {exc}") from None
 
 
+def check_backend_takes_model(backend_cls: type, cfg: GRPOConfig) -> None:
+    """A generation backend with the optional `check_model` classmethod (the torch backend: its paged decode path,
+    attention soft-capping) can generate from the checkpoint with these options; else its actor would refuse it
+    after Ray started and the model loaded."""
+    check = getattr(backend_cls, "check_model", None)
+    if check is None:
+        return
+    try:
+        check(cfg.policy.model_name, cfg.generation.backend_kwargs, prefix="generation.backend_kwargs.")
+    except ValueError as exc:
+        raise ConfigError(f"policy.model_name={cfg.policy.model_name!r} with generation.backend="
+                          f"{cfg.generation.backend!r}: {exc}") from None
+
+
 def check_reward_function(cfg: GRPOConfig) -> None:
     """`env.kwargs.fn` of the `function` environment is `pkg.module:function` whose top-level module the
     reward workers will find (else a Ray actor fails at startup). Found, not imported: the user's code runs
@@ -365,6 +379,7 @@ def preflight(cfg: GRPOConfig) -> GRPOConfig:
     check_hardware(cfg.cluster, detect_hardware())
     check_model_dir(cfg.policy.model_name)
     check_engine_takes_model(engine_cls, cfg.policy.model_name)
+    check_backend_takes_model(backend_cls, cfg)
     if engine_cfg is not None:
         check_layout(cfg, engine_cfg)
     check_cluster_address(cfg.cluster.address)

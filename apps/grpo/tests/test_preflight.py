@@ -520,6 +520,37 @@ def test_architecture_the_megatron_engine_cannot_map_fails_before_ray(caplog, tm
     assert code == 2 and "architecture 'Gemma2ForCausalLM'" in text and "'Qwen3MoeForCausalLM'" in text, text
 
 
+@pytest.mark.parametrize(("arch", "overrides", "backend_kwargs", "message"), [
+    ("mistral", {"sliding_window": 8}, "decode=paged", "sliding_window=8) is not one: set generation.backend_kwargs.decode=dense"),
+    ("mistral", {"sliding_window": 8}, "device=cuda", "sliding_window=8) is not one: set generation.backend_kwargs.decode=dense"),
+    ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "decode=paged",
+     "rope_type='dynamic'"),
+    ("gemma2", "softcapped", "decode=dense",
+     "set generation.backend_kwargs.attn_implementation=eager and generation.backend_kwargs.decode=dense"),
+])
+def test_model_the_generation_backend_cannot_run_fails_before_ray(caplog, tmp_path, arch, overrides, backend_kwargs,
+                                                                   message):
+    """What the torch backend's constructor would refuse after Ray started and the model loaded: a layout the paged
+    decode path cannot run (decode=auto resolves to paged on cuda, read from the options: no GPU needed), attention
+    soft-capping without eager attention."""
+    from rl_core.testing.tiny_models import SOFTCAPPED_GEMMA2, save_tiny_checkpoint
+
+    path = save_tiny_checkpoint(tmp_path / arch, arch, **(SOFTCAPPED_GEMMA2 if overrides == "softcapped" else overrides))
+    code, text = run_main(caplog, f"policy.model_name={path}", f"generation.backend_kwargs.{backend_kwargs}")
+    assert code == 2 and f"policy.model_name='{path}' with generation.backend='torch': " in text and message in text
+
+
+def test_model_the_generation_backend_can_run_passes(tmp_path):
+    """The same models under the options that run them (a check refusing every model would pass the test above)."""
+    from rl_core.testing.tiny_models import SOFTCAPPED_GEMMA2, save_tiny_checkpoint
+
+    sliding = save_tiny_checkpoint(tmp_path / "mistral", "mistral", sliding_window=8)
+    gemma = save_tiny_checkpoint(tmp_path / "gemma2", "gemma2", **SOFTCAPPED_GEMMA2)
+    for path, kwargs in [(sliding, []), (sliding, ["generation.backend_kwargs.decode=dense"]),
+                         (gemma, ["generation.backend_kwargs.attn_implementation=eager"])]:
+        preflight(load_config(None, [f"policy.model_name={path}", *kwargs]))
+
+
 def test_command_line_takes_overrides_around_config_and_checks_the_log_level(capsys):
     from grpo_app.main import parse_args
 

@@ -14,6 +14,7 @@ from rl_core.interfaces import SamplingParams
 from rl_core.testing.contracts import check_generation_backend
 from rl_core.testing.tiny_models import cached_tiny_checkpoint
 from rollout.paged_cache import BlockAllocator
+from rollout.paged_decoder import PagedDecoder
 from rollout.sampling import counter_exponential, row_keys, sample_next
 from rollout.scheduler import ContinuousBatcher
 from rollout.torch_backend import TorchGenerationBackend
@@ -164,8 +165,14 @@ def test_paged_refit_sleep_and_contract(tiny_ckpt, tiny_ckpt_other, prompts):
 
 def test_paged_rejects_unsupported_models(model_cache):
     path = cached_tiny_checkpoint("mistral", seed=0, cache_dir=model_cache, sliding_window=8)
-    with pytest.raises(ValueError, match="decode='dense'"):
+    with pytest.raises(ValueError, match="sliding_window=8.*set decode=dense"):
         TorchGenerationBackend(str(path), decode="paged")
+    with pytest.raises(ValueError, match="sliding_window=8.*decode='dense'"):
+        PagedDecoder(AutoModelForCausalLM.from_pretrained(path))  # usable alone
+    for options in ({"decode": "paged"}, {"device": "cuda"}):  # auto: paged on CUDA (the device is not touched)
+        with pytest.raises(ValueError, match="sliding_window=8.*set kw.decode=dense"):
+            TorchGenerationBackend.check_model(str(path), options, prefix="kw.")
+    TorchGenerationBackend.check_model(str(path), {"device": "cpu"})  # auto: dense on the CPU
     with pytest.raises(ValueError, match="decode='fast'.*'paged'"):
         TorchGenerationBackend(str(path), decode="fast")
 
@@ -174,8 +181,10 @@ def test_paged_rejects_length_dependent_rope(model_cache):
     """Dynamic NTK / LongRoPE frequencies come from the batch's longest position, read on the host each step."""
     path = cached_tiny_checkpoint("llama", seed=0, cache_dir=model_cache,
                                   rope_scaling={"rope_type": "dynamic", "factor": 2.0})
-    with pytest.raises(ValueError, match="rope_type='dynamic'.*decode='dense'"):
+    with pytest.raises(ValueError, match="rope_type='dynamic'.*decode=dense"):
         TorchGenerationBackend(str(path), decode="paged")
+    with pytest.raises(ValueError, match="rope_type='dynamic'.*decode=dense"):
+        TorchGenerationBackend.check_model(str(path), {"decode": "paged"})
 
 
 # ---------------------------------------------------------------------- GPU (skipped without CUDA)

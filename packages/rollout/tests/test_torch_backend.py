@@ -324,8 +324,11 @@ def test_attention_softcap_needs_eager_dense_decoding(tmp_path, prompts, hf_ref)
     from rl_core.testing.tiny_models import SOFTCAPPED_GEMMA2, save_tiny_checkpoint
 
     path = save_tiny_checkpoint(tmp_path / "gemma2", "gemma2", **SOFTCAPPED_GEMMA2)
-    with pytest.raises(ValueError, match=r"set generation.backend_kwargs.attn_implementation=eager and .*decode=dense"):
+    with pytest.raises(ValueError, match=r"set attn_implementation=eager and decode=dense"):
         TorchGenerationBackend(str(path))
+    with pytest.raises(ValueError, match=r"set backend_kwargs.attn_implementation=eager and backend_kwargs.decode=dense"):
+        TorchGenerationBackend.check_model(str(path), {}, prefix="backend_kwargs.")  # no weights read
+    TorchGenerationBackend.check_model(str(path), {"attn_implementation": "eager", "decode": "dense"})
     backend = TorchGenerationBackend(str(path), attn_implementation="eager", decode="dense")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     out = backend.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=8))

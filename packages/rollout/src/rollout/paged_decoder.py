@@ -38,8 +38,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512)
 
 
-def check_supported(model: Any) -> None:
-    """Raise ValueError unless `model` is a decoder PagedDecoder can run (names the fallback)."""
+def unsupported(model: Any) -> str | None:
+    """Why PagedDecoder cannot run `model` (None if it can). Reads only the config and the module layout, so a
+    model on the meta device answers as well as a loaded one."""
     config = model.config
     inner = getattr(model, "model", None)
     needed = ("embed_tokens", "layers", "norm", "rotary_emb")
@@ -47,18 +48,14 @@ def check_supported(model: Any) -> None:
     sliding = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
     if inner is None or any(not hasattr(inner, n) for n in needed) or layer_types != {"full_attention"} \
             or sliding is not None or not hasattr(sys.modules[type(model).__module__], "apply_rotary_pos_emb"):
-        raise ValueError(
-            f"the paged decode path supports Llama-style decoders with full attention on every layer; "
-            f"{type(model).__name__} (layer types {sorted(layer_types)}, sliding_window={sliding}) is not one. "
-            f"Build TorchGenerationBackend with decode='dense'"
-        )
+        return (f"the paged decode path supports Llama-style decoders with full attention on every layer; "
+                f"{type(model).__name__} (layer types {sorted(layer_types)}, sliding_window={sliding}) is not one")
     rope_type = getattr(inner.rotary_emb, "rope_type", "default")
     if rope_type in ("dynamic", "longrope"):  # frequencies from the batch's longest position, read on the host
-        raise ValueError(
-            f"the paged decode path needs rotary frequencies that do not depend on the sequence length; "
-            f"{type(model).__name__} uses rope_type={rope_type!r}, which reads the longest position on the host "
-            f"in every step (not capturable in a CUDA graph). Build TorchGenerationBackend with decode='dense'"
-        )
+        return (f"the paged decode path needs rotary frequencies that do not depend on the sequence length; "
+                f"{type(model).__name__} uses rope_type={rope_type!r}, which reads the longest position on the host "
+                f"in every step (not capturable in a CUDA graph)")
+    return None
 
 
 class PagedDecoder:
@@ -66,7 +63,9 @@ class PagedDecoder:
 
     def __init__(self, model: Any, *, block_size: int = 16, buckets: Sequence[int] = DEFAULT_BUCKETS,
                  cuda_graphs: bool = True) -> None:
-        check_supported(model)
+        problem = unsupported(model)
+        if problem:
+            raise ValueError(f"{problem}. Build TorchGenerationBackend with decode='dense'")
         if not buckets or min(buckets) < 1:
             raise ValueError(f"batch_buckets={list(buckets)}; expected positive batch sizes")
         self.model, self.inner = model, model.model

@@ -35,7 +35,7 @@ from rl_core.config import closest_key
 from rl_core.hf_layout import CheckpointLayout
 from rl_core.interfaces import Completion, SamplingParams
 from rollout.kv_cache import make_cache
-from rollout.paged_decoder import DEFAULT_BUCKETS, PagedDecoder
+from rollout.paged_decoder import DEFAULT_BUCKETS, PagedDecoder, unsupported
 from rollout.sampling import make_generator, sample_next, validate_params
 from rollout.scheduler import DEFAULT_MAX_PREFILL_TOKENS, ContinuousBatcher, table_width
 
@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_BLOCK_SIZE = 16
+DEFAULT_ATTN_IMPLEMENTATION = "rollout_sdpa"  # rollout.attention.NAME (registered when the backend is built)
 
 
 def _as_id_list(value: Any) -> list[int]:
@@ -91,7 +92,7 @@ class TorchGenerationBackend:
         max_batch_tokens: int | None = None,
         compact_fraction: float = 0.25,
         eos_token_ids: Sequence[int] | None = None,
-        attn_implementation: str = "rollout_sdpa",
+        attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION,
         decode: Decode = "auto",
         block_size: int = DEFAULT_BLOCK_SIZE,
         kv_cache_tokens: int | None = None,
@@ -121,9 +122,8 @@ class TorchGenerationBackend:
         )
         self.model.to(self.device).eval().requires_grad_(False)
         config = self.model.config
-        if decode == "auto":
-            decode = "paged" if self.device.type == "cuda" else "dense"
-        _check_softcap_support(config, attn_implementation, decode)
+        decode = _resolve_decode(decode, self.device)
+        _check_model_support(self.model, attn_implementation, decode, prefix="")
         if eos_token_ids is None:
             gen_cfg = getattr(self.model, "generation_config", None)
             eos_token_ids = _as_id_list(getattr(config, "eos_token_id", None))
@@ -181,6 +181,21 @@ class TorchGenerationBackend:
             allowed = _attn_implementation_problem(options["attn_implementation"])
             if allowed:
                 fail("attn_implementation", allowed)
+
+    @classmethod
+    def check_model(cls, model_path: str, options: Mapping[str, Any], *, prefix: str = "") -> None:
+        """ValueError naming `prefix` + the option to change if the checkpoint at `model_path` cannot be generated
+        from under `options` (the layouts the paged decode path supports, attention soft-capping). Reads
+        config.json and builds the model on the meta device: no weight is read and no device touched, so a
+        launcher calls it before it starts anything (the trainer's preflight)."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        decode = _resolve_decode(options.get("decode", "auto"), torch.device(options.get("device", "cpu")))
+        with torch.device("meta"):  # eager: the module layout does not depend on the attention kernel
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path),
+                                                     attn_implementation="eager")
+        _check_model_support(model, options.get("attn_implementation", DEFAULT_ATTN_IMPLEMENTATION), decode,
+                             prefix=prefix)
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
@@ -383,7 +398,19 @@ class TorchGenerationBackend:
         self._sleep_level = 0
 
 
-def _check_softcap_support(config: Any, attn_implementation: str, decode: str) -> None:
+def _resolve_decode(decode: str, device: torch.device) -> str:
+    return ("paged" if device.type == "cuda" else "dense") if decode == "auto" else decode
+
+
+def _check_model_support(model: Any, attn_implementation: str, decode: str, *, prefix: str) -> None:
+    """The loaded (or meta-device) `model` can be generated from with this attention and decode path."""
+    _check_softcap_support(model.config, attn_implementation, decode, prefix=prefix)
+    problem = unsupported(model) if decode == "paged" else None
+    if problem:
+        raise ValueError(f"{problem}: set {prefix}decode=dense")
+
+
+def _check_softcap_support(config: Any, attn_implementation: str, decode: str, *, prefix: str) -> None:
     """Only transformers' eager attention, on the dense path, applies an attention logit soft-cap (Gemma 2);
     any other would sample from another model than the checkpoint's."""
     softcap = getattr(config, "attn_logit_softcapping", None)
@@ -391,7 +418,7 @@ def _check_softcap_support(config: Any, attn_implementation: str, decode: str) -
         raise ValueError(
             f"the model soft-caps its attention logits (attn_logit_softcapping={softcap}), which only eager attention "
             f"on the dense decode path applies; got attn_implementation={attn_implementation!r}, decode={decode!r}: set "
-            "generation.backend_kwargs.attn_implementation=eager and generation.backend_kwargs.decode=dense")
+            f"{prefix}attn_implementation=eager and {prefix}decode=dense")
 
 
 def _attn_implementation_problem(name: Any) -> str | None:
