@@ -336,9 +336,24 @@ class Workers:
 
     def __init__(self, cfg: GRPOConfig) -> None:
         self.cfg = cfg
+        self.policy: list[Any] = []
+        self.generators: list[Any] = []
+        self.rewarders: list[Any] = []
+        self.local_env = None
+        self.in_process = False
+        # one thread: driver-side scoring overlaps generation but never runs twice at once
+        self._scoring = ThreadPoolExecutor(max_workers=1, thread_name_prefix="score")
+        self.placement = Placement(cfg)
+        try:
+            self._start(cfg)
+        except BaseException:  # a failed or interrupted start: stop what did start (reward pools close their dirs)
+            self.shutdown()
+            raise
+
+    def _start(self, cfg: GRPOConfig) -> None:
         world = cfg.cluster.train_world_size
         threads = cpu_threads(cfg, os.cpu_count() or 1)
-        placement = self.placement = Placement(cfg)
+        placement = self.placement
         if cfg.cluster.address and cfg.checkpointing.enabled:  # a local Ray is one machine: one filesystem
             check_shared_dir(placement, cfg.checkpoint_dir,
                              "checkpointing.dir" if cfg.checkpointing.dir else "logger.log_dir (its checkpoints/)")
@@ -369,8 +384,6 @@ class Workers:
         self.rewarders = [_role(RewardWorker.options(num_cpus=0).remote(cfg.env.name, cfg.env.kwargs), f"reward worker {i}")
                           for i in range(cfg.env.num_workers)]
         self.local_env = None if self.rewarders else create_environment(cfg.env.name, **cfg.env.kwargs)
-        # one thread: driver-side scoring overlaps generation but never runs twice at once
-        self._scoring = ThreadPoolExecutor(max_workers=1, thread_name_prefix="score")
         self.dp_layout = ray.get([w.layout.remote() for w in self.policy])  # (dp_rank, dp_size) per rank
         self.dp_size = self.dp_layout[0][1]
         if not self.in_process:

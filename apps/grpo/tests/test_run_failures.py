@@ -222,3 +222,31 @@ def test_signals_during_the_cleanup_leave_one_line_exit_130_and_nothing_behind(t
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def test_a_start_that_fails_closes_the_reward_pools_it_started(tmp_path, monkeypatch):
+    """A policy rank that cannot start (here: its model directory is gone) fails the run's start after the reward
+    worker has opened its scoring pool; what did start is shut down, and the pool's scratch directory is removed
+    (before, it was left for the next run on the node to remove; a Ctrl-C during the start did the same)."""
+    import dataclasses
+    import shutil
+
+    from grpo_app.config import load_config
+    from grpo_app.preflight import preflight
+
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))  # the reward worker's pool directory (tempfile), as Ray's workers inherit
+    monkeypatch.setenv("RAY_TMPDIR", tempfile.gettempdir())  # Ray's session where it would be (socket path length)
+    model = tmp_path / "model"
+    cfg = preflight(load_config(None, ["env.num_workers=1", f"logger.log_dir={tmp_path / 'run'}"]))
+    shutil.copytree(cfg.policy.model_name, model)
+    cfg = dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, model_name=str(model)))
+    (model / "model.safetensors").unlink()  # preflight passed: the workers find it missing
+    cluster.start_ray(cfg)
+    try:
+        with pytest.raises(ray.exceptions.RayError):
+            cluster.Workers(cfg)
+        assert not list(temp.glob("reward-pool-*"))
+    finally:
+        cluster.stop_ray()
