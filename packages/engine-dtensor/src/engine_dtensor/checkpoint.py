@@ -6,7 +6,8 @@ scheduler and per-rank RNG state (tensors and plain values: loaded with weights_
 half-written `<path>` and a damaged one is refused before DCP unpickles its `.metadata`; on load the
 optimizer settings (lr, weight decay, betas, ...) stay the configured ones, as in the Megatron engine; streaming
 export of full HF-named tensors (one all-gather at a time); `save_hf` (safetensors shards + config + tokenizer files) that `AutoModelForCausalLM.from_pretrained`
-loads. The filesystem must be shared by all ranks (one node, or a network filesystem).
+loads, and `checkpoint_to_hf`, the same directory from a checkpoint offline (one process, no process group):
+both go through one writer. The filesystem must be shared by all ranks (one node, or a network filesystem).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Callable, Iterator
+import warnings
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -25,6 +27,8 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
+from engine_dtensor import lora
+from engine_dtensor.loading import build_meta_model
 from engine_dtensor.parallelize import hf_name
 from rl_core import checkpoint_io
 
@@ -73,10 +77,7 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
 
 def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: object) -> None:
     """Restore what `save_checkpoint` wrote (resharding to this run's layout if it differs)."""
-    if not (Path(path) / ".metadata").exists() and not (Path(path) / checkpoint_io.MANIFEST_FILE).exists():
-        raise ValueError(f"{path!r} is not a DTensor engine checkpoint (no DCP .metadata file in it)")
-    # before dcp.load, which unpickles .metadata; names a listed file that is missing (.metadata too)
-    checkpoint_io.verify_manifest_on_rank0(path)
+    _verify_checkpoint(path)
     configured = _hyperparameters(optimizer, scheduler)
     model_sd, optim_sd = get_state_dict(model, optimizer)  # the target layout, incl. empty optimizer state
     state = {"model": model_sd, "optim": optim_sd}
@@ -91,6 +92,14 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     _restore_configured_hyperparameters(path, optimizer, scheduler, configured)
     checkpoint_io.set_rng_state(extra["rng"])
     logger.info("loaded checkpoint %s", path)
+
+
+def _verify_checkpoint(path: str) -> None:
+    """Refuse a directory that is no DTensor engine checkpoint, or a damaged one (naming the file): before
+    DCP unpickles its .metadata (a missing .metadata is named too)."""
+    if not (Path(path) / ".metadata").exists() and not (Path(path) / checkpoint_io.MANIFEST_FILE).exists():
+        raise ValueError(f"{path!r} is not a DTensor engine checkpoint (no DCP .metadata file in it)")
+    checkpoint_io.verify_manifest_on_rank0(path)
 
 
 def _hyperparameters(optimizer: torch.optim.Optimizer, scheduler: object) -> list[dict[str, object]]:
@@ -125,50 +134,124 @@ def _to_checkpoint_layout(model: nn.Module) -> Callable[[str, Tensor], dict[str,
     return lambda name, tensor: revert_weight_conversion(model, {name: tensor})
 
 
-def export_hf_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
-    """Full tensors under HF checkpoint names, one all-gather at a time; every rank must consume it."""
-    to_checkpoint = _to_checkpoint_layout(model)
+def _distinct_state(model: nn.Module) -> dict[str, Tensor]:
+    """HF name -> parameter or persistent buffer, in the model's order; a tied weight once, under its first
+    name (HF re-ties it on load); no LoRA adapter (export merges it into its base weight)."""
     seen: set[int] = set()
+    out: dict[str, Tensor] = {}
     # keep_vars: the parameters themselves (a plain state_dict detaches each entry into a new object, so a
     # tied weight would pass the identity check twice and refit would send it twice)
     for name, tensor in model.state_dict(keep_vars=True).items():
-        if id(tensor) in seen:  # tied weights: one name per storage, HF re-ties them
-            continue
-        seen.add(id(tensor))
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-        yield from to_checkpoint(hf_name(name), full.detach()).items()
+        if id(tensor) not in seen and not lora.is_adapter_param(name):
+            seen.add(id(tensor))
+            out[hf_name(name)] = tensor
+    return out
+
+
+def _hf_tensors(model: nn.Module, value: Callable[[str, Tensor], Tensor]) -> Iterator[tuple[str, Tensor]]:
+    """`value(hf_name, tensor)` of each entry of `_distinct_state`, one at a time, in the on-disk HF layout."""
+    to_checkpoint = _to_checkpoint_layout(model)
+    for name, tensor in _distinct_state(model).items():
+        yield from to_checkpoint(name, value(name, tensor)).items()
+
+
+def export_hf_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """Full tensors under HF checkpoint names, one all-gather at a time; every rank must consume it. A weight with
+    a LoRA adapter is sent merged (W + scaling * B @ A), so that receivers need no LoRA support."""
+    adapters = lora.adapters_by_weight(model)
+
+    def gather(name: str, tensor: Tensor) -> Tensor:
+        full = (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
+        return adapters[name].merged_weight(full) if name in adapters else full
+
+    return _hf_tensors(model, gather)
 
 
 def save_hf(path: str, model: nn.Module, source_dir: str, max_shard_bytes: int = 2 << 30) -> None:
     """Safetensors shards + config (+ tokenizer files copied from `source_dir`) at `path`, atomically."""
+    tmp = _prepare_tmp(path)
+    weights = export_hf_weights(model)  # all ranks gather; rank 0 writes
+    if _rank() == 0:
+        _write_hf_dir(tmp, weights, model, source_dir, max_shard_bytes)
+    else:
+        for _ in weights:
+            pass
+    _commit(tmp, path)
+    logger.info("saved HF checkpoint %s", path)
+
+
+def checkpoint_to_hf(checkpoint_dir: str, out_dir: str, *, model_dir: str, max_shard_bytes: int = 2 << 30) -> None:
+    """The model weights of a `save_checkpoint` directory (any FSDP/TP layout) as an HF model directory at
+    `out_dir`, which must not exist; offline: one process, no process group, CPU, the optimizer never read.
+    `model_dir` (the run's policy.model_name) gives the architecture, config and tokenizer files."""
+    if Path(out_dir).exists():
+        raise ValueError(f"{out_dir} already exists; remove it or choose another output directory")
+    _verify_checkpoint(checkpoint_dir)
+    model = build_meta_model(model_dir, "eager")  # names, order, ties and MoE layout; no storage
+    full = _load_model_tensors(checkpoint_dir, model, model_dir)
+
+    def take(name: str, tensor: Tensor) -> Tensor:  # popped: each tensor is freed once its shard is written
+        return full.pop(name)
+
+    with checkpoint_io.atomic_dir(out_dir, replace=False) as tmp:
+        _write_hf_dir(tmp, _hf_tensors(model, take), model, model_dir, max_shard_bytes)
+        checkpoint_io.write_manifest(tmp)  # as save_hf's directories have one
+    logger.info("exported %s to HF checkpoint %s", checkpoint_dir, out_dir)
+
+
+def _load_model_tensors(checkpoint_dir: str, model: nn.Module, model_dir: str) -> dict[str, Tensor]:
+    """HF name -> full tensor of each `_distinct_state(model)` entry, read from the `model.*` entries of a DCP
+    checkpoint (no `optim.*` entry, nor a tied weight's second name, is read), assembled from all ranks' shards
+    in this process. The checkpoint must hold exactly the model's weights: an extra one (a LoRA adapter, another
+    architecture's bias) would otherwise be dropped silently."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(checkpoint_dir)
+    entries = reader.read_metadata().state_dict_metadata  # DCP keys: "model.<fqn>", "optim.<...>"
+    keys = {hf_name(key.removeprefix("model.")): key for key, meta in entries.items()
+            if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+    names = list(_distinct_state(model))
+    missing = [name for name in names if name not in keys]
+    extra = sorted(set(keys) - {hf_name(name) for name in model.state_dict()})  # tied weights under each name
+    if missing or extra:
+        raise ValueError(f"{checkpoint_dir} does not hold the weights of the model in model_dir={model_dir!r} "
+                         f"(missing: {missing[:3]}, {len(missing)} in all; not in the model: {extra[:3]}, "
+                         f"{len(extra)} in all): pass the run's policy.model_name; a checkpoint with LoRA adapters "
+                         "cannot be exported offline, export it with the engine's save_hf")
+    state = {keys[name]: torch.empty(entries[keys[name]].size, dtype=entries[keys[name]].properties.dtype)
+             for name in names}
+    with warnings.catch_warnings():  # torch warns that it assumes one process even when told so (no_dist)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    return {name: state[keys[name]] for name in names}
+
+
+def _write_hf_dir(out: Path, weights: Iterable[tuple[str, Tensor]], model: nn.Module, source_dir: str,
+                  max_shard_bytes: int) -> None:
+    """`weights` streamed into safetensors shards of about `max_shard_bytes` (bounded host memory), then the
+    index, config and side files: the one writer of `save_hf` and `checkpoint_to_hf`."""
     from safetensors.torch import save_file
 
-    tmp = _prepare_tmp(path)
-    rank0 = _rank() == 0
     shard: dict[str, Tensor] = {}
     weight_map: dict[str, str] = {}
     num_bytes = num_files = 0
 
-    def flush() -> None:  # write the current shard and start a new one (bounded host memory)
+    def flush() -> None:  # write the current shard and start a new one
         nonlocal shard, num_bytes, num_files
         num_files += 1
         name = f"model-{num_files:05d}.safetensors"
-        save_file(shard, str(tmp / name), metadata={"format": "pt"})
+        save_file(shard, str(out / name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, name))
         shard, num_bytes = {}, 0
 
-    for name, tensor in export_hf_weights(model):  # all ranks gather; rank 0 writes
-        if rank0:
-            shard[name] = tensor.cpu().contiguous()
-            num_bytes += tensor.numel() * tensor.element_size()
-            if num_bytes >= max_shard_bytes:
-                flush()
-    if rank0:
-        if shard or not num_files:
+    for name, tensor in weights:
+        shard[name] = tensor.cpu().contiguous()
+        num_bytes += tensor.numel() * tensor.element_size()
+        if num_bytes >= max_shard_bytes:
             flush()
-        _write_index_and_config(tmp, weight_map, model, source_dir)
-    _commit(tmp, path)
-    logger.info("saved HF checkpoint %s", path)
+    if shard or not num_files:
+        flush()
+    _write_index_and_config(out, weight_map, model, source_dir)
 
 
 def _write_index_and_config(tmp: Path, weight_map: dict[str, str], model: nn.Module, source_dir: str) -> None:

@@ -7,13 +7,41 @@ Validate with `DTensorConfig.from_policy(policy)`: unknown keys are errors namin
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from rl_core.config import ConfigError, PolicyConfig, parse_config
 
 Precision = Literal["float32", "bfloat16"]
 AttnImplementation = Literal["auto", "sdpa_segments", "sdpa", "eager", "flash_attention_2"]
+
+
+@dataclass(kw_only=True)
+class LoRAConfig:
+    """`policy.dtensor_cfg.lora_cfg`: low-rank adapters (lora.py) trained on frozen base weights, so that the
+    optimizer state and gradients cover the adapters only."""
+
+    enabled: bool = False
+    dim: int = 8  # the rank r of B (out, r) @ A (r, in)
+    alpha: float = 32.0  # the update is scaled by alpha / dim
+    dropout: float = 0.0  # on the adapter's input only
+    # empty: every nn.Linear inside the decoder layers; else leaf names (`q_proj`) or globs on full module names
+    target_modules: list[str] = field(default_factory=list)
+    exclude_modules: list[str] = field(default_factory=list)  # same matching, applied after target_modules
+
+    def __post_init__(self) -> None:
+        key = "policy.dtensor_cfg.lora_cfg"
+        if self.dim < 1:
+            raise ConfigError(f"{key}.dim must be >= 1 (the adapter rank); got {self.dim}")
+        if not self.alpha > 0:
+            raise ConfigError(f"{key}.alpha must be > 0 (the update is scaled by alpha / dim); got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"{key}.dropout must be in [0, 1); got {self.dropout}")
+
+    @property
+    def scaling(self) -> float:
+        """The factor of the low-rank update B @ A."""
+        return self.alpha / self.dim
 
 
 @dataclass(kw_only=True)
@@ -30,6 +58,7 @@ class DTensorConfig:
     # else torch's; one sdpa per sequence on the CPU). "sdpa": a block-diagonal mask over the packed row.
     # "flash_attention_2": HF's own path (a host read of a GPU tensor per layer to find the boundaries).
     attn_implementation: AttnImplementation = "auto"
+    lora_cfg: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -40,6 +69,11 @@ class DTensorConfig:
             raise ConfigError(
                 "policy.dtensor_cfg.sequence_parallel=true needs tensor_parallel_size > 1; "
                 "set tensor_parallel_size or turn sequence_parallel off"
+            )
+        if self.lora_cfg.enabled and self.tensor_parallel_size > 1:
+            raise ConfigError(
+                f"policy.dtensor_cfg.lora_cfg.enabled=true runs with FSDP (data parallel) only for now; got "
+                f"tensor_parallel_size={self.tensor_parallel_size}: set policy.dtensor_cfg.tensor_parallel_size=1"
             )
 
     @property

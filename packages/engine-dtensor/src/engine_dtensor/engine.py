@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 
 import seqpack
-from engine_dtensor import checkpoint
+from engine_dtensor import checkpoint, lora
 from engine_dtensor.attention import SEGMENT_SDPA
 from engine_dtensor.config import DTensorConfig
 from engine_dtensor.forward import ModelInputs, build_packed_inputs, build_padded_inputs, forward_logprobs
@@ -90,6 +90,12 @@ class DTensorEngine(TrainingEngine):
         """The multiple this engine pads sequences to (TP under sequence parallel), without building it."""
         return cls.validate_config(policy).seq_multiple
 
+    @classmethod
+    def checkpoint_to_hf(cls, checkpoint_dir: str, out_dir: str, *, model_dir: str) -> None:
+        """An HF model directory from a `save_checkpoint` directory, offline (one CPU process, weights only),
+        so that exporting needs no restart of the engine on the training layout."""
+        checkpoint.checkpoint_to_hf(checkpoint_dir, out_dir, model_dir=model_dir)
+
     def __init__(self, policy: PolicyConfig) -> None:
         self.policy = policy
         self.cfg = self.validate_config(policy)
@@ -108,11 +114,17 @@ class DTensorEngine(TrainingEngine):
         # torchtitan's order: shapes on the meta device, shard, then storage and weights for the shards only
         # (fp32 master weights; the compute dtype is FSDP's job), so no rank ever holds the whole model.
         self.model = build_meta_model(policy.model_name, self.attn_impl)
+        if self.cfg.lora_cfg.enabled:  # before any wrapper: FSDP2 shards adapters and frozen base weights together
+            lora.apply_lora(self.model, self.cfg.lora_cfg, frozen_dtype=getattr(torch, self.cfg.precision))
         parallelize(self.model, self.parallel_dims, self.cfg)
-        materialize(self.model, policy.model_name, torch.device("cpu") if self.cfg.cpu_offload else self.device)
-        self.optimizer = build_optimizer(self.model.parameters(), policy.optimizer)
+        device = torch.device("cpu") if self.cfg.cpu_offload else self.device
+        with lora.adapters_detached(self.model):  # the HF checkpoint has base weights only
+            materialize(self.model, policy.model_name, device)
+        lora.materialize_adapters(self.model, device)
+        self.trainable_params = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters
+        self.optimizer = build_optimizer(self.trainable_params, policy.optimizer)
         self.scheduler = build_scheduler(self.optimizer, policy.scheduler)
-        self.reference: FrozenWeights | None = None
+        self.reference: FrozenWeights | lora.BaseModelReference | None = None
 
     # ---- micro-batching -------------------------------------------------------------------------
 
@@ -199,8 +211,13 @@ class DTensorEngine(TrainingEngine):
         return plan.restore(outputs)
 
     def snapshot_reference(self) -> None:
-        """The current weights (this rank's shards) become the KL reference: a weights-only copy."""
-        self.reference = FrozenWeights(self.model.parameters())
+        """The current weights (this rank's shards) become the KL reference: a weights-only copy. With LoRA the
+        reference is the base model (adapters off; the policy at initialisation, B = 0), whenever this is called
+        and after a resume too: no copy of the weights."""
+        if self.cfg.lora_cfg.enabled:
+            self.reference = lora.BaseModelReference(self.model)
+        else:
+            self.reference = FrozenWeights(self.model.parameters())
 
     def compute_ref_logprobs(self, batch: TokenBatch) -> list[Tensor]:
         """compute_logprobs with the reference weights swapped into the model for the pass."""
@@ -221,7 +238,7 @@ class DTensorEngine(TrainingEngine):
 
     def optimizer_step(self) -> dict[str, float]:
         """Clip by the global grad norm, step (or skip if not finite), advance the LR schedule."""
-        grad_norm = clip_grads_(list(self.model.parameters()), self.policy.max_grad_norm)
+        grad_norm = clip_grads_(self.trainable_params, self.policy.max_grad_norm)
         lr = float(self.optimizer.param_groups[0]["lr"])
         skipped = not math.isfinite(grad_norm)
         if skipped:  # the schedule does not advance either: the step did not happen

@@ -64,7 +64,7 @@ def safetensors_files(path: str | Path) -> list[Path]:
 
 def materialize(model: nn.Module, path: str, device: torch.device) -> None:
     """Give a parallelised meta model storage on `device` and load checkpoint `path` into its shards."""
-    _to_empty_keeping_ties(model, device)
+    to_empty_keeping_ties(model, device)
     targets = _load_targets(model)
     layout = CheckpointLayout(model, targets)
     loaded: set[str] = set()
@@ -78,7 +78,7 @@ def materialize(model: nn.Module, path: str, device: torch.device) -> None:
         _init_non_persistent_buffers(model)
 
 
-def _to_empty_keeping_ties(model: nn.Module, device: torch.device) -> None:
+def to_empty_keeping_ties(model: nn.Module, device: torch.device) -> None:
     """`model.to_empty(device)`, keeping tied parameters one object: a plain `_apply` makes a new Parameter per
     module, which unties `lm_head` from `embed_tokens`; swapping the storage into each Parameter keeps it."""
     swap = torch.__future__.get_swap_module_params_on_conversion()
@@ -113,7 +113,7 @@ def _load_file(file: Path, targets: dict[str, Tensor], layout: CheckpointLayout)
                 finished = layout.add(key, reader.get_tensor(key))
                 if finished is not None:
                     name, full = finished
-                    _copy_into_shard(targets[name], full)
+                    copy_into_shard(targets[name], full)
                     done.add(name)
                 continue
             if target is None:
@@ -125,13 +125,13 @@ def _load_file(file: Path, targets: dict[str, Tensor], layout: CheckpointLayout)
             if tuple(full.shape) != tuple(target.shape):
                 raise ValueError(f"{file}: tensor {key!r} has shape {tuple(full.shape)}, the model expects "
                                  f"{tuple(target.shape)}")
-            _copy_into_shard(target, full)
+            copy_into_shard(target, full)
             done.add(key)
             del full  # one full tensor at a time
     return done
 
 
-def _copy_into_shard(target: Tensor, full: Tensor) -> None:
+def copy_into_shard(target: Tensor, full: Tensor) -> None:
     """target <- this rank's part of `full` (a DTensor's local shard, or all of a plain tensor)."""
     if isinstance(target, DTensor):
         # src_data_rank=None: every rank cuts its own shard from the tensor it read, no communication

@@ -32,8 +32,9 @@ logger = logging.getLogger(__name__)
 
 # Dense decoder families whose HF module layout the TP plan below matches (qk-norm handled for qwen3).
 TP_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
-# Wrapper prefixes that apply_ac / apply_compile add to parameter names; HF names have neither.
-WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+# Wrapper prefixes that apply_ac / apply_compile / lora.apply_lora (LoRALinear's base_layer) add to parameter
+# names; HF names have none of them.
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "base_layer.")
 
 
 def hf_name(name: str) -> str:
@@ -152,9 +153,11 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, cfg: DTensorConfig) -> None:
 def apply_ac(model: nn.Module, mesh: DeviceMesh | None, cfg: DTensorConfig) -> None:
     """Recompute each decoder layer in backward (full-layer checkpointing). `mesh` is unused."""
     layers = decoder_layers(model)
+    # LoRA dropout: the recomputation must draw the masks of the forward again (else the gradient is of another mask)
+    preserve_rng_state = cfg.lora_cfg.enabled and cfg.lora_cfg.dropout > 0
     for i, layer in enumerate(layers):
         # non-reentrant: works with FSDP2 hooks and keyword arguments (HF layers take kwargs)
-        layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
+        layers[i] = checkpoint_wrapper(layer, preserve_rng_state=preserve_rng_state)
 
 
 def apply_compile(model: nn.Module, mesh: DeviceMesh | None, cfg: DTensorConfig) -> None:

@@ -83,6 +83,16 @@ class MegatronEngine(TrainingEngine):
 
         load_hf_config(model_dir, source="policy.model_name")
 
+    @classmethod
+    def checkpoint_to_hf(cls, checkpoint_dir: str, out_dir: str, *, model_dir: str) -> None:
+        """An HF model directory from a `save_checkpoint` directory, offline (`ckpt-convert mcore2hf`): the
+        checkpoint carries its own model config and HF side files, so `model_dir` is not read."""
+        from ckpt_convert.convert import convert_mcore_to_hf, new_output_dir
+
+        new_output_dir(Path(out_dir))  # an existing out_dir is refused before the checkpoint is hashed
+        checkpoint_io.verify_manifest(checkpoint_dir)  # ours always have one; mcore2hf would only warn
+        convert_mcore_to_hf(checkpoint_dir, out_dir)
+
     def __init__(self, policy: PolicyConfig) -> None:
         from ckpt_convert.mcore_model import load_hf_config, mcore_model_config
 

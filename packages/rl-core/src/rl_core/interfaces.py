@@ -118,6 +118,16 @@ class PadsSequences(Protocol):
         """The `seq_multiple` the engine passes to `rl_core.config.micro_batch_limits` for `policy`."""
 
 
+@runtime_checkable
+class ExportsCheckpoint(Protocol):
+    """Optional for engine classes: turn a `save_checkpoint` directory into a Hugging Face model directory
+    offline (one process, no process group, CPU, weights only), without restarting the engine on its layout."""
+
+    @classmethod
+    def checkpoint_to_hf(cls, checkpoint_dir: str, out_dir: str, *, model_dir: str) -> None:
+        """Write `out_dir` (must not exist) atomically; `model_dir` is the run's policy.model_name."""
+
+
 @dataclass(kw_only=True)
 class SamplingParams:
     n: int = 1

@@ -1,0 +1,106 @@
+"""`uv run apps/grpo export PATH [--out DIR] [--config FILE]`: a run checkpoint as a Hugging Face model directory.
+
+PATH is a run directory (its newest intact checkpoint) or one `step_N` checkpoint. The run's resolved
+`config.yaml` (the checkpoint's grandparent by default) names the engine and the model; the engine class
+converts its own checkpoint offline (rl_core.interfaces.ExportsCheckpoint): one CPU process, no Ray, no
+process group, weights only. Owns finding the checkpoint and the config and the default output directory;
+not the conversion. The output goes beside the checkpoints (`<log_dir>/hf/step_N`), never into a checkpoint,
+whose manifest covers every file in it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from grpo_app.checkpoint import STATE_FILE, CheckpointManager
+from grpo_app.config import GRPOConfig, load_config
+from grpo_app.preflight import resolve_model
+from rl_core.checkpoint_io import verify_manifest
+from rl_core.config import ConfigError
+from rl_core.interfaces import ExportsCheckpoint
+from rl_core.registry import ENGINES
+
+logger = logging.getLogger("grpo.export")
+
+CONFIG_FILE = "config.yaml"  # what run_training writes into the run directory (logger.log_dir)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="uv run apps/grpo export", description="Write a run checkpoint as a Hugging Face model directory (offline, either engine).")
+    parser.add_argument("path", help="a run directory (its newest intact checkpoint) or one checkpoint (step_N)")
+    parser.add_argument("--out", metavar="DIR", help="the new model directory (must not exist; default: <log_dir>/hf/step_N, "
+                                      "<log_dir> being the directory of the run's config.yaml)")
+    parser.add_argument("--config", metavar="FILE", help="the run's resolved config.yaml, if it is not beside the checkpoints "
+                                         "(<log_dir>/config.yaml; needed when checkpointing.dir was elsewhere)")
+    return parser.parse_args(argv)
+
+
+@dataclass
+class ExportPlan:
+    """What to convert (a verified checkpoint directory) and where to (a directory that does not exist)."""
+
+    checkpoint: Path
+    out: Path
+
+
+def plan_export(path: Path, config: str | None, out: str | None) -> tuple[ExportPlan, GRPOConfig]:
+    """The checkpoint (verified), the run's config and the output directory; ValueError naming the fix."""
+    if not path.is_dir():
+        raise ValueError(f"{path} does not exist: pass a run directory (logger.log_dir) or one of its "
+                         "checkpoints/step_N")
+    is_checkpoint = (path / STATE_FILE).is_file() or (path / "policy").is_dir()
+    config_file = Path(config) if config else (path.parent.parent if is_checkpoint else path) / CONFIG_FILE
+    if not config_file.is_file():
+        raise ValueError(f"{config_file} is missing: pass the run's resolved config with --config FILE (the "
+                         "config.yaml a run writes into its logger.log_dir)")
+    cfg = load_config(config_file)
+    if is_checkpoint:
+        verify_manifest(path)  # CheckpointError (a ValueError) names the damaged file
+        checkpoint = path
+    else:
+        checkpoint = _newest_intact(cfg, path)
+    target = Path(out) if out else config_file.parent / "hf" / checkpoint.name
+    if target.exists():
+        raise ValueError(f"{target} already exists; remove it or choose another --out")
+    return ExportPlan(checkpoint, target), cfg
+
+
+def _newest_intact(cfg: GRPOConfig, run_dir: Path) -> Path:
+    """The newest verified checkpoint of a run directory (its checkpointing.dir if the run set one)."""
+    root = Path(cfg.checkpointing.dir) if cfg.checkpointing.dir else run_dir / "checkpoints"
+    point = CheckpointManager(root, keep_top_k=cfg.checkpointing.keep_top_k, metric=cfg.checkpointing.metric,
+                              higher_is_better=cfg.checkpointing.higher_is_better).newest_intact()
+    if point is None:
+        raise ValueError(f"{root} holds no checkpoint: export a run that saved one (checkpointing.enabled=true, "
+                         "checkpointing.save_every), or pass a checkpoints/step_N directory")
+    return point.path
+
+
+def export(plan: ExportPlan, cfg: GRPOConfig) -> None:
+    """Resolve the engine class and the model directory as the trainer does, then convert."""
+    policy = resolve_model(cfg).policy  # tiny:<arch> names rebuild the same cached checkpoint
+    engine_cls = ENGINES.get(policy.engine_name, config_key=policy.engine_config_key)
+    if not isinstance(engine_cls, ExportsCheckpoint):
+        raise ValueError(f"engine '{policy.engine_name}' ({engine_cls.__qualname__}) cannot convert its checkpoints "
+                         "offline (no checkpoint_to_hf classmethod); export with the engine itself "
+                         "(checkpointing.save_hf, or its save_hf on the run's layout)")
+    logger.info("exporting %s (engine '%s', model %s) to %s", plan.checkpoint, policy.engine_name,
+                policy.model_name, plan.out)
+    engine_cls.checkpoint_to_hf(str(plan.checkpoint / "policy"), str(plan.out), model_dir=policy.model_name)
+    logger.info("exported: %s (loads with transformers.AutoModelForCausalLM.from_pretrained and vLLM)", plan.out)
+
+
+def main(argv: list[str]) -> int:
+    """Exit 0 with the model directory written, 2 with one line naming the problem and the fix."""
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        plan, cfg = plan_export(Path(args.path), args.config, args.out)
+        export(plan, cfg)
+    except (ConfigError, FileNotFoundError, ValueError) as exc:  # CheckpointError is a ValueError
+        logger.error("%s", exc)
+        return 2
+    return 0

@@ -1,0 +1,189 @@
+"""LoRA: low-rank adapters on a Hugging Face model's linear layers, the base weights frozen.
+
+Owns `LoRALinear` (y = base(x) + alpha/dim * B(A(dropout(x))), A kaiming-uniform, B zero: at initialisation the
+model is the base model exactly), `apply_lora` (injection into the decoder layers on the meta device, before
+parallelize.py wraps anything, and freezing of every base parameter), the adapters' own initialisation after the
+base weights are loaded, switching the adapters off (the KL reference is the base model) and the merged weight
+W + alpha/dim * B @ A that export sends under the base weight's HF name. The base weight keeps its name under
+`<module>.base_layer.` (peft's spelling), which `parallelize.hf_name` drops. Does not own sharding (FSDP2 shards
+adapters and frozen weights in the same per-layer unit) nor checkpoint files (checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import logging
+import math
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from engine_dtensor.config import LoRAConfig
+from engine_dtensor.loading import copy_into_shard, to_empty_keeping_ties
+from engine_dtensor.parallelize import decoder_layers, hf_name
+
+logger = logging.getLogger(__name__)
+
+ADAPTER_NAMES = ("lora_A", "lora_B")
+# Adapter initialisation draws full tensors from this seed in module order on every rank, so that any FSDP
+# layout (and 1 rank) starts from the same A.
+INIT_SEED = 0
+
+
+class LoRALinear(nn.Module):
+    """A frozen nn.Linear plus a trainable low-rank update: base(x) + scaling * lora_B(lora_A(dropout(x)))."""
+
+    def __init__(self, base: nn.Linear, cfg: LoRAConfig) -> None:
+        super().__init__()
+        self.base_layer = base  # the name parallelize.hf_name drops: the weight keeps its HF name
+        # trainable: float32 master weights whatever the base's dtype (FSDP casts them for compute)
+        device = base.weight.device
+        self.lora_A = nn.Linear(base.in_features, cfg.dim, bias=False, device=device, dtype=torch.float32)
+        self.lora_B = nn.Linear(cfg.dim, base.out_features, bias=False, device=device, dtype=torch.float32)
+        self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
+        self.scaling = cfg.scaling
+        self.adapter_enabled = True
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.base_layer(x)
+        if not self.adapter_enabled:
+            return out
+        return out + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
+
+    @torch.no_grad()
+    def init_adapter(self, generator: torch.Generator) -> None:
+        """A as nn.Linear's default (kaiming-uniform, a=sqrt(5)), B zero; drawn as full tensors and cut into
+        this rank's shards, so that the values do not depend on the layout."""
+        full_a = torch.empty(tuple(self.lora_A.weight.shape), dtype=self.lora_A.weight.dtype)
+        nn.init.kaiming_uniform_(full_a, a=math.sqrt(5), generator=generator)
+        copy_into_shard(self.lora_A.weight, full_a)
+        copy_into_shard(self.lora_B.weight, torch.zeros(tuple(self.lora_B.weight.shape), dtype=full_a.dtype))
+
+    def merged_weight(self, weight: Tensor) -> Tensor:
+        """W + scaling * B @ A from the base weight `weight` (full), summed in float32 and rounded once to W's
+        dtype; gathers A and B (a collective under FSDP)."""
+        a, b = full_tensor(self.lora_A.weight), full_tensor(self.lora_B.weight)
+        return (weight.float() + self.scaling * (b @ a)).to(weight.dtype)
+
+
+def full_tensor(t: Tensor) -> Tensor:
+    """The whole tensor of a DTensor (all-gather), a plain tensor as it is."""
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+
+
+def _matches(patterns: list[str], name: str) -> list[str]:
+    """The patterns that select module `name`: its leaf name exactly, or a glob on the full name."""
+    leaf = name.rsplit(".", 1)[-1]
+    return [p for p in patterns if p == leaf or fnmatch.fnmatchcase(name, p)]
+
+
+def _select_targets(model: nn.Module, cfg: LoRAConfig) -> list[str]:
+    """Full names of the decoder layers' nn.Linear modules that get an adapter; a pattern selecting nothing is
+    an error listing the leaf names there are."""
+    layers = decoder_layers(model)
+    prefix = next(name for name, module in model.named_modules() if module is layers)
+    linears = [name for name, module in model.named_modules()
+               if isinstance(module, nn.Linear) and name.startswith(prefix + ".")]
+    for key, patterns in (("target_modules", cfg.target_modules), ("exclude_modules", cfg.exclude_modules)):
+        unused = [p for p in patterns if not any(_matches([p], name) for name in linears)]
+        if unused:
+            leaves = sorted({name.rsplit(".", 1)[-1] for name in linears})
+            raise ValueError(
+                f"policy.dtensor_cfg.lora_cfg.{key}: {unused} match no nn.Linear in the decoder layers of "
+                f"{type(model).__name__}; use leaf names among {leaves} or globs on full names such as "
+                f"'{linears[0]}'")
+    selected = [name for name in linears if (not cfg.target_modules or _matches(cfg.target_modules, name))
+                and not _matches(cfg.exclude_modules, name)]
+    if not selected:
+        raise ValueError("policy.dtensor_cfg.lora_cfg.exclude_modules excludes every target module: no adapter "
+                         "would train; narrow exclude_modules")
+    return selected
+
+
+def apply_lora(model: nn.Module, cfg: LoRAConfig, *, frozen_dtype: torch.dtype) -> None:
+    """Wrap the selected linear layers in LoRALinear and freeze every base parameter (embeddings, norms and
+    lm_head included). Runs before parallelize(): FSDP2 takes requires_grad from the parameters it shards.
+
+    Frozen parameters are stored in `frozen_dtype`, the compute dtype: they need no float32 master copy, and FSDP
+    would cast them to it for every forward anyway, so bf16 storage halves their memory and changes no result."""
+    targets = _select_targets(model, cfg)
+    model.requires_grad_(False)
+    for param in model.parameters():  # in place: a tied weight stays one parameter
+        param.data = param.data.to(frozen_dtype)
+    for name in targets:
+        parent_name, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, leaf, LoRALinear(getattr(parent, leaf), cfg))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    logger.info("LoRA: %d adapters (dim %d, alpha %g); trainable parameters %d of %d (%.3f%%)",
+                len(targets), cfg.dim, cfg.alpha, trainable, total, 100 * trainable / total)
+
+
+def lora_modules(model: nn.Module) -> list[LoRALinear]:
+    """Every LoRALinear of the model (none without LoRA: the helpers below are then no-ops)."""
+    return [module for module in model.modules() if isinstance(module, LoRALinear)]
+
+
+@contextlib.contextmanager
+def adapters_detached(model: nn.Module) -> Iterator[None]:
+    """The adapter modules out of the module tree for the block: the checkpoint loader then sees the base model's
+    parameters only (the HF checkpoint has no adapters); `materialize_adapters` gives them storage after."""
+    modules = lora_modules(model)
+    detached = [{name: module._modules.pop(name) for name in ADAPTER_NAMES} for module in modules]
+    try:
+        yield
+    finally:
+        for module, adapters in zip(modules, detached):
+            module._modules.update(adapters)
+
+
+def materialize_adapters(model: nn.Module, device: torch.device) -> None:
+    """Storage on `device` for the adapters of a parallelised meta model, then their initial values."""
+    generator = torch.Generator().manual_seed(INIT_SEED)
+    for module in lora_modules(model):
+        for name in ADAPTER_NAMES:
+            to_empty_keeping_ties(getattr(module, name), device)  # swapped in place: FSDP2 keeps its references
+        module.init_adapter(generator)
+
+
+def is_adapter_param(name: str) -> bool:
+    """Whether parameter `name` belongs to an adapter (not part of the HF model)."""
+    return any(f"{adapter}." in name for adapter in ADAPTER_NAMES)
+
+
+def adapters_by_weight(model: nn.Module) -> dict[str, LoRALinear]:
+    """HF name of each adapted base weight -> its LoRALinear (export merges the adapter into that weight)."""
+    return {hf_name(f"{name}.base_layer.weight"): module for name, module in model.named_modules()
+            if isinstance(module, LoRALinear)}
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """The model computes as the base model for the block (every adapter switched off)."""
+    modules = lora_modules(model)
+    for module in modules:
+        module.adapter_enabled = False
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.adapter_enabled = True
+
+
+class BaseModelReference:
+    """The KL reference of a LoRA run: the frozen base model, the policy with its adapters off. It holds no
+    copy of the weights, and after a resume it is still the base model (the checkpoint's base is frozen)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def swapped_in(self) -> contextlib.AbstractContextManager[None]:
+        """Inside the block the model computes the reference (FrozenWeights' interface)."""
+        return adapters_disabled(self.model)
+
+    def to(self, device: torch.device | str) -> None:
+        """Nothing to move: the reference is the policy's own base weights."""

@@ -1,0 +1,124 @@
+"""`DTensorEngine.checkpoint_to_hf`: a checkpoint becomes, offline, the HF directory the live engine's save_hf
+writes (every tensor equal, the same logits), for FSDP and TP layouts, tied, untied and MoE models; refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine_dtensor.engine import DTensorEngine
+from engine_dtensor.testing import grpo_batch, make_policy, max_abs_diff
+from rl_core.checkpoint_io import CheckpointError
+from rl_core.losses import ClippedPGLoss
+from rl_core.testing.distributed import run_distributed
+from rl_core.testing.tiny_models import cached_tiny_checkpoint
+
+
+def _train_and_save(rank: int, world: int, path: str, batch, tp: int, ckpt_dir: str, hf_dir: str) -> list:
+    """Two training steps, then the engine checkpoint and the live save_hf of the same weights."""
+    engine = DTensorEngine(make_policy(path, dtensor_cfg={"tensor_parallel_size": tp}, logprob_batch_size=1))
+    shard = batch if tp == world else batch.select(list(range(rank, len(batch), world)))
+    for _ in range(2):
+        engine.train_batch(shard, ClippedPGLoss())
+    engine.save_checkpoint(ckpt_dir)
+    engine.save_hf(hf_dir)
+    return engine.compute_logprobs(batch)
+
+
+def _safetensors(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        out.update(load_file(str(file)))
+    return out
+
+
+def _logprobs(model_dir: Path | str, seqs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Plain HF forward of each sequence, fp32: (L_i - 1,) target-token logprobs."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [torch.log_softmax(model(input_ids=ids[None]).logits[0, :-1], -1).gather(-1, ids[1:, None])[:, 0]
+                for ids in seqs]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("arch", "overrides", "tp"),
+    [("llama", {}, 2), ("qwen2", {"tie_word_embeddings": True}, 1), ("qwen3_moe", {}, 1)],
+    ids=["llama-tp2", "qwen2-tied-fsdp2", "qwen3_moe-fsdp2"],
+)
+def test_offline_export_equals_live_save_hf(tmp_path, arch: str, overrides: dict, tp: int) -> None:
+    path = str(cached_tiny_checkpoint(arch, **overrides))
+    batch = grpo_batch(path, lengths=[6, 11, 4, 9])
+    ckpt_dir, live, offline = tmp_path / "ckpt", tmp_path / "live", tmp_path / "offline"
+    engine_logprobs = run_distributed(_train_and_save, 2, args=(path, batch, tp, str(ckpt_dir), str(live)))[0]
+
+    DTensorEngine.checkpoint_to_hf(str(ckpt_dir), str(offline), model_dir=path)  # this process: no dist
+
+    exported, reference = _safetensors(offline), _safetensors(live)
+    assert exported.keys() == reference.keys()
+    assert all(torch.equal(exported[k], reference[k]) for k in reference)
+    if overrides.get("tie_word_embeddings"):
+        assert "lm_head.weight" not in exported  # written once, as save_hf does; from_pretrained re-ties
+    assert sorted(exported) == sorted(_safetensors(Path(path)))  # on-disk HF names (MoE: per expert again)
+    assert json.loads((offline / "config.json").read_text()) == json.loads((live / "config.json").read_text())
+    assert (offline / "tokenizer.json").exists()
+
+    loaded = _logprobs(offline, batch.input_ids)
+    for lp, engine_lp in zip(loaded, engine_logprobs):
+        assert (lp - engine_lp[1:]).abs().max() <= 2e-6  # the engine's trained model; layout rounding only
+    assert max_abs_diff(loaded, _logprobs(path, batch.input_ids)) > 1e-4  # training changed the weights
+
+
+def _save_checkpoint(rank: int, world: int, path: str, ckpt_dir: str) -> None:
+    DTensorEngine(make_policy(path)).save_checkpoint(ckpt_dir)
+
+
+@pytest.fixture(scope="module")
+def untrained_checkpoint(tmp_path_factory) -> tuple[str, Path]:
+    path = str(cached_tiny_checkpoint("llama"))
+    ckpt_dir = tmp_path_factory.mktemp("untrained") / "ckpt"
+    run_distributed(_save_checkpoint, 1, args=(path, str(ckpt_dir)))
+    return path, ckpt_dir
+
+
+def test_existing_output_directory_is_refused(untrained_checkpoint, tmp_path) -> None:
+    path, ckpt_dir = untrained_checkpoint
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    with pytest.raises(ValueError, match="already exists; remove it or choose another"):
+        DTensorEngine.checkpoint_to_hf(str(ckpt_dir), str(tmp_path / "out"), model_dir=path)
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+
+
+def test_damaged_checkpoint_is_refused_naming_the_file(untrained_checkpoint, tmp_path) -> None:
+    path, ckpt_dir = untrained_checkpoint
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    for file in ckpt_dir.iterdir():
+        (damaged / file.name).write_bytes(file.read_bytes())
+    victim = sorted(damaged.glob("*.distcp"))[0]
+    victim.write_bytes(victim.read_bytes()[:100])  # truncated
+    with pytest.raises(CheckpointError, match=victim.name):
+        DTensorEngine.checkpoint_to_hf(str(damaged), str(tmp_path / "out"), model_dir=path)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
+
+
+@pytest.mark.parametrize(("saved", "given"), [("llama", "qwen2"), ("qwen2", "llama")],
+                         ids=["missing-weights", "extra-weights"])
+def test_checkpoint_of_another_model_is_refused(tmp_path, saved: str, given: str) -> None:
+    """qwen2 has q/k/v biases that llama has not: a weight the model lacks (as a LoRA adapter would be) is refused,
+    not dropped."""
+    ckpt_dir = tmp_path / "ckpt"
+    run_distributed(_save_checkpoint, 1, args=(str(cached_tiny_checkpoint(saved)), str(ckpt_dir)))
+    with pytest.raises(ValueError, match="does not hold the weights of the model .*q_proj.bias.*pass the run's "
+                                         "policy.model_name"):
+        DTensorEngine.checkpoint_to_hf(str(ckpt_dir), str(tmp_path / "out"),
+                                       model_dir=str(cached_tiny_checkpoint(given)))
+    assert not (tmp_path / "out").exists()

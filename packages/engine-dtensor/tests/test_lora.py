@@ -1,0 +1,272 @@
+"""LoRA (`policy.dtensor_cfg.lora_cfg`) against independent computations: at initialisation the model is the
+base model; training moves the adapters only; the export is the float64 merge W + alpha/dim * B @ A that plain
+transformers loads; the KL reference is the base model; FSDP2 over 2 ranks and a resume change nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_dtensor.config import DTensorConfig, LoRAConfig
+from engine_dtensor.engine import DTensorEngine
+from engine_dtensor.loading import build_meta_model
+from engine_dtensor.lora import LoRALinear, apply_lora, full_tensor
+from engine_dtensor.parallelize import hf_name
+from engine_dtensor.testing import (
+    assert_layout_close,
+    full_grads,
+    grpo_batch,
+    hf_reference_logprobs,
+    make_policy,
+    max_abs_diff,
+)
+from rl_core.config import ConfigError, PolicyConfig
+from rl_core.losses import ClippedPGLoss
+from rl_core.reference import local_tensor
+from rl_core.testing.distributed import run_distributed
+
+ARCH = "qwen2"  # q/k/v projections with biases: the base layer's bias must stay
+LORA = {"enabled": True, "dim": 4, "alpha": 8.0}
+
+
+def _policy(path: str, lora: dict | None = None, **overrides) -> PolicyConfig:
+    return make_policy(path, train_micro_batch_size=2, dtensor_cfg={"lora_cfg": lora or LORA}, **overrides)
+
+
+def _local(engine: DTensorEngine, *, adapters: bool) -> dict[str, torch.Tensor]:
+    """Copies of this rank's shards of the adapter (or the base) parameters, by module name (FSDP2 leaves the
+    root module's parameters unsharded after a forward: local_tensor takes them as they are)."""
+    return {name: local_tensor(p).detach().clone() for name, p in engine.model.named_parameters()
+            if (".lora_" in name) == adapters}
+
+
+def _adapters(engine: DTensorEngine) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]]:
+    """HF weight name -> the module's own full (W, A, B, scaling), read from its parameters."""
+    out = {}
+    for name, module in engine.model.named_modules():
+        if isinstance(module, LoRALinear):
+            w, a, b = (full_tensor(p).clone() for p in
+                       (module.base_layer.weight, module.lora_A.weight, module.lora_B.weight))
+            out[hf_name(f"{name}.base_layer.weight")] = (w, a, b, module.scaling)
+    return out
+
+
+def _train_and_export(rank: int, world: int, path: str, batch, hf_dir: str) -> dict:
+    base_lp = DTensorEngine(make_policy(path, train_micro_batch_size=2)).compute_logprobs(batch)
+    engine = DTensorEngine(_policy(path))
+    init_lp = engine.compute_logprobs(batch)
+    base_before, adapters_before = _local(engine, adapters=False), _local(engine, adapters=True)
+    for _ in range(3):
+        engine.train_batch(batch, ClippedPGLoss())
+    engine.snapshot_reference()  # after training: a copy of the weights would be the trained policy, not the base
+    in_optimizer = {id(p) for group in engine.optimizer.param_groups for p in group["params"]}
+    engine.save_hf(hf_dir)
+    return {
+        "base_lp": base_lp, "init_lp": init_lp,
+        "base_before": base_before, "base_after": _local(engine, adapters=False),
+        "adapters_before": adapters_before, "adapters_after": _local(engine, adapters=True),
+        "optimizer_names": sorted(name for name, p in engine.model.named_parameters() if id(p) in in_optimizer),
+        "state_names": sorted(name for name, p in engine.model.named_parameters() if p in engine.optimizer.state),
+        "trained_lp": engine.compute_logprobs(batch), "ref_lp": engine.compute_ref_logprobs(batch),
+        "export": dict(engine.export_hf_weights()), "adapters": _adapters(engine),
+    }
+
+
+@pytest.fixture(scope="module")
+def trained(ckpt, tmp_path_factory) -> dict:
+    """One LoRA run of 3 steps (1 rank), with what every test below compares."""
+    path, hf_dir = ckpt(ARCH), str(tmp_path_factory.mktemp("lora") / "hf")
+    batch = grpo_batch(path)
+    (result,) = run_distributed(_train_and_export, 1, args=(path, batch, hf_dir))
+    return {**result, "path": path, "batch": batch, "hf_dir": hf_dir}
+
+
+def test_initial_model_is_the_base_model(trained) -> None:
+    # B = 0: the adapter adds exact zeros, so the same engine without LoRA gives the same bits
+    assert all(torch.equal(a, b) for a, b in zip(trained["init_lp"], trained["base_lp"]))
+    hf = hf_reference_logprobs(trained["path"], trained["batch"].input_ids)  # an HF model loaded separately
+    print(f"LoRA at init vs HF: max|dlogprob| = {assert_layout_close(trained['init_lp'], hf):.1e}")
+    assert all(torch.count_nonzero(t) == 0 for name, t in trained["adapters_before"].items() if ".lora_B." in name)
+    assert all(torch.count_nonzero(t) > 0 for name, t in trained["adapters_before"].items() if ".lora_A." in name)
+
+
+def test_training_moves_the_adapters_only(trained) -> None:
+    base_before, base_after = trained["base_before"], trained["base_after"]
+    assert base_before.keys() == base_after.keys() and len(base_before) > 0
+    assert [n for n in base_before if not torch.equal(base_before[n], base_after[n])] == []  # bitwise frozen
+    # embeddings, norms and lm_head are frozen too: the optimizer holds exactly the adapters
+    adapters = sorted(trained["adapters_before"])
+    assert trained["optimizer_names"] == trained["state_names"] == adapters
+    assert all(".lora_A." in n or ".lora_B." in n for n in adapters) and len(adapters) == 2 * 14  # 7 linears x 2 layers
+    unchanged = [n for n in adapters if torch.equal(trained["adapters_before"][n], trained["adapters_after"][n])]
+    assert unchanged == []
+    assert max_abs_diff(trained["trained_lp"], trained["init_lp"]) > 1e-3  # the policy did move
+
+
+def test_export_is_the_float64_merge_and_loads_in_plain_transformers(trained) -> None:
+    from transformers import AutoModelForCausalLM
+
+    export, adapters = trained["export"], trained["adapters"]
+    hf_names = set(AutoModelForCausalLM.from_pretrained(trained["hf_dir"]).state_dict())
+    assert set(export) <= hf_names and not any("lora" in n or "base_layer" in n for n in export)
+    assert len(adapters) == 14
+    worst = 0.0
+    for name, (w, a, b, scaling) in adapters.items():
+        expected = w.double() + scaling * (b.double() @ a.double())
+        assert not torch.equal(expected.float(), w)  # the adapter changed the weight
+        worst = max(worst, float((export[name].double() - expected).abs().max()))
+    print(f"merged export vs float64 merge: max|d| = {worst:.1e}")
+    assert worst <= 1e-6
+    initial = _initial_weights(trained["path"])
+    for name in set(export) - set(adapters):  # the frozen rest is sent as it is
+        assert torch.equal(export[name], initial[name]), name
+    # transformers alone (no LoRA code) on the saved directory computes the LoRA engine's logprobs
+    hf = hf_reference_logprobs(trained["hf_dir"], trained["batch"].input_ids)
+    diff = max_abs_diff(hf, trained["trained_lp"])
+    print(f"save_hf -> from_pretrained vs the LoRA engine: max|dlogprob| = {diff:.1e}")
+    assert diff <= 1e-5
+
+
+def test_reference_is_the_base_model_after_training(trained) -> None:
+    # adapters off: exactly the initial (= base) computation, and the base model of a separate HF load
+    assert all(torch.equal(a, b) for a, b in zip(trained["ref_lp"], trained["base_lp"]))
+    assert_layout_close(trained["ref_lp"], hf_reference_logprobs(trained["path"], trained["batch"].input_ids))
+
+
+def _initial_weights(path: str) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    return dict(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict())
+
+
+ADAMW = {"name": "AdamW", "kwargs": {"lr": 1e-4, "weight_decay": 0.01}}  # as test_parallel (Adam's sign noise)
+
+
+def _two_steps(rank: int, world: int, path: str, batch) -> tuple[list[float], dict | None]:
+    engine = DTensorEngine(_policy(path, optimizer=ADAMW))
+    shard = batch.select(list(range(rank, len(batch), world)))  # uneven lengths per rank on purpose
+    losses = [engine.train_batch(shard, ClippedPGLoss())["loss"] for _ in range(2)]
+    merged = dict(engine.export_hf_weights())
+    return losses, merged if rank == 0 else None
+
+
+@pytest.mark.distributed
+def test_fsdp_two_ranks_equal_one_rank(ckpt) -> None:
+    path = ckpt(ARCH)
+    batch = grpo_batch(path)
+    ((ref_losses, ref_merged),) = run_distributed(_two_steps, 1, args=(path, batch))
+    (losses, merged), (losses_1, _) = run_distributed(_two_steps, 2, args=(path, batch))
+    assert losses == losses_1
+    loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    param_diff = max_abs_diff(merged, ref_merged)
+    print(f"LoRA FSDP2 dp=2 vs 1 rank after 2 steps: max|dloss| = {loss_diff:.1e}, max|dmerged| = {param_diff:.1e}")
+    assert loss_diff <= 1e-5 and param_diff <= 1e-5
+    assert max_abs_diff(merged, _initial_weights(path)) > 1e-5  # the adapters did move the merged weights
+
+
+def _resume(rank: int, world: int, path: str, batch, ckpt_dir: str) -> tuple:
+    policy = _policy(path)
+    straight = DTensorEngine(policy)
+    losses = [straight.train_batch(batch, ClippedPGLoss())["loss"] for _ in range(2)]
+    first = DTensorEngine(policy)
+    first.train_batch(batch, ClippedPGLoss())
+    first.save_checkpoint(ckpt_dir)
+    resumed = DTensorEngine(policy)
+    resumed.snapshot_reference()  # as the trainer does: before the checkpoint is loaded
+    resumed.load_checkpoint(ckpt_dir)
+    resumed_loss = resumed.train_batch(batch, ClippedPGLoss())["loss"]
+    return (losses, resumed_loss, dict(straight.export_hf_weights()), dict(resumed.export_hf_weights()),
+            resumed.compute_ref_logprobs(batch))
+
+
+@pytest.mark.distributed
+def test_checkpoint_resume_is_exact(ckpt, tmp_path) -> None:
+    path = ckpt(ARCH)
+    batch = grpo_batch(path)
+    ((losses, resumed_loss, params, resumed_params, ref),) = run_distributed(
+        _resume, 1, args=(path, batch, str(tmp_path / "step1")))
+    assert resumed_loss == losses[1]
+    assert params.keys() == resumed_params.keys()
+    assert all(torch.equal(params[n], resumed_params[n]) for n in params)
+    assert_layout_close(ref, hf_reference_logprobs(path, batch.input_ids))  # the reference is still the base
+    # the offline export cannot merge (the checkpoint has no alpha/dim): it refuses rather than drop the adapters
+    with pytest.raises(ValueError, match="LoRA adapters"):
+        DTensorEngine.checkpoint_to_hf(str(tmp_path / "step1"), str(tmp_path / "hf"), model_dir=path)
+
+
+@pytest.mark.parametrize(("lora", "tp", "key"), [
+    ({"dim": 0}, 1, "lora_cfg.dim"),
+    ({"alpha": 0.0}, 1, "lora_cfg.alpha"),
+    ({"dropout": 1.0}, 1, "lora_cfg.dropout"),
+    ({}, 2, "tensor_parallel_size=1"),
+    ({"droput": 0.1}, 1, "did you mean 'policy.dtensor_cfg.lora_cfg.dropout'"),  # unknown: the closest key
+])
+def test_config_errors_name_the_key(ckpt, lora: dict, tp: int, key: str) -> None:
+    policy = make_policy(ckpt(ARCH), dtensor_cfg={"tensor_parallel_size": tp, "lora_cfg": {"enabled": True, **lora}})
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        DTensorConfig.from_policy(policy)
+
+
+def _build(rank: int, world: int, path: str, lora: dict) -> None:
+    DTensorEngine(_policy(path, lora))
+
+
+def test_unknown_target_lists_the_leaf_names(ckpt) -> None:
+    with pytest.raises(RuntimeError, match=r"target_modules: \['qproj'\] match no nn.Linear.*'q_proj'"):
+        run_distributed(_build, 1, args=(ckpt(ARCH), {**LORA, "target_modules": ["q_proj", "qproj"]}))
+
+
+def test_targets_by_leaf_name_or_glob_and_excludes(ckpt) -> None:
+    model = build_meta_model(ckpt(ARCH), "sdpa")
+    cfg = LoRAConfig(enabled=True, target_modules=["*.self_attn.*", "up_proj"], exclude_modules=["o_proj"])
+    apply_lora(model, cfg, frozen_dtype=torch.float32)
+    wrapped = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, LoRALinear)})
+    assert wrapped == ["k_proj", "q_proj", "up_proj", "v_proj"]
+    assert sorted(n for n, p in model.named_parameters() if p.requires_grad) == sorted(
+        f"{n}.{ab}.weight" for n, m in model.named_modules() if isinstance(m, LoRALinear) for ab in ("lora_A", "lora_B"))
+
+
+def _bf16(rank: int, world: int, path: str, batch) -> dict:
+    plain = DTensorEngine(make_policy(path, train_micro_batch_size=2, precision="bfloat16"))
+    engine = DTensorEngine(_policy(path, precision="bfloat16"))
+    out = {"plain_lp": plain.compute_logprobs(batch), "lora_lp": engine.compute_logprobs(batch),
+           "dtypes": {name: p.dtype for name, p in engine.model.named_parameters()}}
+    out["loss"] = engine.train_batch(batch, ClippedPGLoss())["loss"]
+    out["export_dtypes"] = {name: t.dtype for name, t in engine.export_hf_weights()}
+    return out
+
+
+def test_bf16_keeps_the_frozen_base_in_bf16_with_the_same_results(ckpt) -> None:
+    """bf16 storage of the frozen base: FSDP casts float32 weights to bf16 for every forward, so storing them in
+    bf16 computes the same bits (at half the memory); the adapters keep float32 master weights."""
+    path = ckpt(ARCH)
+    batch = grpo_batch(path)
+    (out,) = run_distributed(_bf16, 1, args=(path, batch))
+    assert all(torch.equal(a, b) for a, b in zip(out["lora_lp"], out["plain_lp"]))
+    assert {n for n, d in out["dtypes"].items() if d == torch.float32} == {n for n in out["dtypes"] if ".lora_" in n}
+    assert set(out["dtypes"].values()) == {torch.float32, torch.bfloat16}
+    assert set(out["export_dtypes"].values()) == {torch.bfloat16} and torch.isfinite(torch.tensor(out["loss"]))
+
+
+def _dropout_grads(rank: int, world: int, path: str, batch, ac: bool) -> list[dict[str, torch.Tensor]]:
+    """Adapter gradients of one forward/backward under seeds 0 and 1 (other dropout masks)."""
+    dtensor_cfg = {"activation_checkpointing": ac, "lora_cfg": {**LORA, "dropout": 0.5}}
+    engine = DTensorEngine(make_policy(path, train_micro_batch_size=2, dtensor_cfg=dtensor_cfg))
+    grads = []
+    torch.manual_seed(2)
+    engine.train_batch(batch, ClippedPGLoss())  # B != 0: A gets gradients too
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        engine.forward_backward(batch, ClippedPGLoss())
+        grads.append(full_grads(engine))
+        engine.zero_grad()
+    return grads
+
+
+def test_dropout_masks_survive_activation_checkpointing(ckpt) -> None:
+    """The recomputed forward draws the dropout masks of the first one: AC changes no gradient."""
+    path = ckpt(ARCH)
+    batch = grpo_batch(path)
+    plain, checkpointed = (run_distributed(_dropout_grads, 1, args=(path, batch, ac))[0] for ac in (False, True))
+    assert max_abs_diff(plain[0], plain[1]) > 1e-3  # the dropout is applied: another seed, other gradients
+    assert max_abs_diff(plain[0], checkpointed[0]) <= 1e-6
