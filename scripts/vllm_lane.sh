@@ -37,5 +37,6 @@ export VLLM_ENABLE_V1_MULTIPROCESSING=0
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export TOKENIZERS_PARALLELISM=false
-exec "$PY" -m pytest -m vllm packages/rollout apps/grpo/tests/test_vllm_in_policy.py tests/test_grpo_e2e.py \
+exec "$PY" -m pytest -m vllm packages/rollout apps/grpo/tests/test_vllm_in_policy.py apps/grpo/tests/test_evaluate.py \
+  tests/test_grpo_e2e.py \
   -q -p no:cacheprovider "$@"

@@ -174,6 +174,13 @@ def sampling_params(cfg: GRPOConfig, step: int, *, n: int, greedy: bool = False)
                           stop_token_ids=[], seed=cfg.grpo.seed * 1_000_003 + step)
 
 
+def reward_requests(prompts: list[PromptExample], completions: list[Completion], tokenizer: Any) -> list[RewardRequest]:
+    """What the environment scores: each completion's text with its prompt and the prompt's metadata."""
+    return [RewardRequest(prompt=prompts[c.prompt_index].prompt, metadata=prompts[c.prompt_index].metadata,
+                          completion=tokenizer.decode(c.token_ids, skip_special_tokens=True))
+            for c in completions]
+
+
 def rollout(run: Run, prompts: list[PromptExample], params: SamplingParams, timer: PhaseTimer):
     """Generate `params.n` completions per prompt and score them; returns completions, rewards, results.
 
@@ -181,15 +188,10 @@ def rollout(run: Run, prompts: list[PromptExample], params: SamplingParams, time
     generators still run; the results are put back in prompt order, so nothing depends on which finished
     first. `timing/reward_s` is the scoring left to wait for after the last generator finished.
     """
-    def requests(completions: list[Completion]) -> list[RewardRequest]:
-        return [RewardRequest(prompt=prompts[c.prompt_index].prompt, metadata=prompts[c.prompt_index].metadata,
-                              completion=run.tokenizer.decode(c.token_ids, skip_special_tokens=True))
-                for c in completions]
-
     scoring = []
     with timer("generate"):
         for part in run.workers.generate_parts([p.prompt_token_ids for p in prompts], params):
-            scoring.append((part, run.workers.submit_score(requests(part))))
+            scoring.append((part, run.workers.submit_score(reward_requests(prompts, part, run.tokenizer))))
             timer.generated_tokens += sum(len(c.token_ids) for c in part)
     with timer("reward"):
         scoring.sort(key=lambda item: item[0][0].prompt_index)

@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import importlib
 import logging
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,6 +29,8 @@ from rl_core.config import ConfigError, to_dict
 from rollout.environments.base import RewardFailureError
 
 logger = logging.getLogger("grpo")
+# `uv run apps/grpo NAME ...`: the module whose main(argv) runs it
+SUBCOMMANDS = {"export": "grpo_app.export", "eval": "grpo_app.evaluate"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -34,6 +38,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="uv run apps/grpo", description=__doc__.splitlines()[0],
         epilog="examples:\n  uv run apps/grpo grpo.max_steps=5\n"
                "  uv run apps/grpo --config gpu_1x policy.megatron_cfg.enabled=true\n"
+               "  uv run apps/grpo export RUN_DIR [--out DIR]   (a checkpoint as a Hugging Face model; export -h)\n"
+               "  uv run apps/grpo eval --config RUN_DIR/config.yaml policy.model_name=MODEL_DIR [--samples K]\n"
+               "      (mean reward and pass@k on the validation prompts; eval -h)\n"
                "every key and its default: apps/grpo/README.md", formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML config file, or the name of a shipped one (e.g. gpu_1x; default: cpu_default)")
     parser.add_argument("--log-level", default="INFO", type=str.upper,
@@ -130,6 +137,9 @@ def run_training(cfg: GRPOConfig, inputs: RunInputs, resume_point: ResumePoint |
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] and argv[0] in SUBCOMMANDS:  # no override can be one (overrides contain '=')
+        return importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:])
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:  # everything a run reads is checked here, before Ray or any worker starts

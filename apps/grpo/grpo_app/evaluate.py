@@ -1,0 +1,149 @@
+"""`uv run apps/grpo eval`: a model's score on the task's validation prompts (mean reward, accuracy, pass@k).
+
+The trainer's own config decides what is evaluated and how: `policy.model_name` (e.g. a run's `step_N/hf`), the
+environment, the validation prompts (`env.val_data`, or the built-in task's, `grpo.num_val_prompts` of them),
+the chat template and the generation settings. One completion per prompt is greedy, as the trainer's
+validation; `--samples K` draws K per prompt at `generation.temperature` (seeded by `grpo.seed`) and reports
+pass@1..K. Generation and scoring run in this process: no Ray, no training engine.
+
+    uv run apps/grpo eval --config runs/grpo-cpu-default/config.yaml \\
+        policy.model_name=runs/grpo-cpu-default/checkpoints/step_100/hf --samples 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+from collections import defaultdict
+from pathlib import Path
+
+from grpo_app.config import GRPOConfig, load_config
+from rl_core.checkpoint_io import atomic_write_text
+from rl_core.config import ConfigError
+from rl_core.interfaces import Completion, RewardResult
+
+logger = logging.getLogger("grpo.eval")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="uv run apps/grpo eval", description=__doc__.splitlines()[0],
+                                     epilog="example:\n  uv run apps/grpo eval --config runs/x/config.yaml "
+                                            "policy.model_name=runs/x/checkpoints/step_100/hf --samples 8",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML config file (a run's config.yaml) or a shipped one's name")
+    parser.add_argument("--samples", type=_positive, default=1,
+                        help="completions per prompt: 1 (default) is greedy; K > 1 samples and reports pass@k")
+    parser.add_argument("--threshold", type=float, default=1.0,
+                        help="a completion counts as solved when the environment says it is correct or, where it only "
+                             "gives a reward, when the reward is >= this (default 1.0)")
+    parser.add_argument("--out", type=Path, help="where the completions go (JSONL; default: <logger.log_dir>/eval.jsonl)")
+    parser.add_argument("--log-level", default="INFO", type=str.upper,
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. policy.model_name=DIR")
+    return parser.parse_intermixed_args(argv)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1; got {value}")
+    return value
+
+
+def pass_at_k(n: int, solved: int, k: int) -> float:
+    """The chance that at least one of k completions drawn without replacement from n (`solved` of them solved)
+    is solved: the unbiased estimator of Chen et al. (2021), 1 - C(n - solved, k) / C(n, k), as a product."""
+    if n - solved < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - solved + 1, n + 1))
+
+
+def pass_ks(samples: int) -> list[int]:
+    """1, 2, 4, ... up to `samples`, and `samples` itself."""
+    return sorted({2**i for i in range(samples.bit_length()) if 2**i <= samples} | {samples})
+
+
+def is_solved(result: RewardResult, threshold: float) -> bool:
+    return result.correct if result.correct is not None else result.reward >= threshold
+
+
+def score_metrics(completions: list[Completion], results: list[RewardResult], samples: int,
+                  threshold: float) -> dict[str, float]:
+    """Mean reward, accuracy (where the environment judges correctness) and pass@k over the prompts."""
+    solved_by_prompt: dict[int, list[bool]] = defaultdict(list)
+    for completion, result in zip(completions, results):
+        solved_by_prompt[completion.prompt_index].append(is_solved(result, threshold))
+    metrics = {"eval/reward_mean": sum(r.reward for r in results) / len(results)}
+    graded = [r.correct for r in results if r.correct is not None]
+    if graded:
+        metrics["eval/accuracy"] = sum(graded) / len(graded)
+    for k in pass_ks(samples):
+        metrics[f"eval/pass@{k}"] = sum(pass_at_k(len(s), sum(s), k) for s in solved_by_prompt.values()) / len(
+            solved_by_prompt)
+    metrics["eval/truncated_fraction"] = sum(c.finish_reason == "length" for c in completions) / len(completions)
+    return metrics
+
+
+def evaluate(cfg: GRPOConfig, *, samples: int, threshold: float, out: Path) -> dict[str, float]:
+    """Generate `samples` completions per validation prompt with cfg's backend, score them with cfg's
+    environment; writes one JSON line per completion to `out` and returns the metrics."""
+    from grpo_app.build import load_inputs
+    from grpo_app.loop import reward_requests, sampling_params
+    from rl_core.registry import create_generation_backend
+    from rollout.environments import check_reward_failures, create_environment, finite_rewards
+
+    cfg = dataclasses.replace(cfg, grpo=dataclasses.replace(cfg.grpo, val_every=max(cfg.grpo.val_every, 1)))
+    inputs = load_inputs(cfg)  # the validation prompts, as the trainer loads them
+    prompts = inputs.val
+    backend = create_generation_backend(cfg.generation.backend, model_path=cfg.policy.model_name,
+                                        **cfg.generation.backend_kwargs)
+    logger.info("evaluating %s on %d prompts x %d completion(s) (%s)", cfg.policy.model_name, len(prompts), samples,
+                "greedy" if samples == 1 else f"temperature {cfg.generation.temperature}")
+    completions = backend.generate([p.prompt_token_ids for p in prompts],
+                                   sampling_params(cfg, 0, n=samples, greedy=samples == 1))
+    completions.sort(key=lambda c: c.prompt_index)  # stable: a prompt's samples keep their order
+    env = create_environment(cfg.env.name, **cfg.env.kwargs)
+    try:
+        requests = reward_requests(prompts, completions, inputs.tokenizer)
+        results = finite_rewards(env.score(requests))
+    finally:
+        if hasattr(env, "close"):  # its scoring subprocesses and their directory
+            env.close()
+    check_reward_failures(results, cfg.env.max_failed_reward_fraction, "env.max_failed_reward_fraction")
+    lines = [json.dumps({"prompt_index": c.prompt_index, "prompt": q.prompt, "completion": q.completion,
+                         "reward": r.reward, "correct": r.correct, "solved": is_solved(r, threshold),
+                         "finish_reason": c.finish_reason, "error": r.error})
+             for c, q, r in zip(completions, requests, results)]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out, "".join(line + "\n" for line in lines))
+    return score_metrics(completions, results, samples, threshold)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from grpo_app.preflight import preflight
+    from rollout.environments.base import RewardFailureError
+
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = preflight(load_config(args.config, args.overrides))
+        out = args.out or Path(cfg.logger.log_dir) / "eval.jsonl"
+        metrics = evaluate(cfg, samples=args.samples, threshold=args.threshold, out=out)
+    except (ConfigError, FileNotFoundError, ValueError) as exc:
+        logger.error("%s", exc)
+        return 2
+    except RewardFailureError as exc:
+        logger.error("%s", exc)
+        return 1
+    except KeyboardInterrupt:
+        logger.error("eval stopped: interrupted")
+        return 130
+    width = max(map(len, metrics))
+    logger.info("%s (completions: %s):\n%s", cfg.policy.model_name, out,
+                "\n".join(f"  {name:<{width}}  {value:.4f}" for name, value in metrics.items()))
+    print(json.dumps({"model": cfg.policy.model_name, "samples": args.samples, **metrics}))
+    return 0
+

