@@ -23,7 +23,7 @@ from engine_dtensor.testing import (
 from rl_core.config import ConfigError, PolicyConfig
 from rl_core.losses import ClippedPGLoss
 from rl_core.reference import local_tensor
-from rl_core.testing.distributed import run_distributed
+from rl_core.testing.distributed import CUDA_BACKEND, run_distributed
 
 ARCH = "qwen2"  # q/k/v projections with biases: the base layer's bias must stay
 LORA = {"enabled": True, "dim": 4, "alpha": 8.0}
@@ -36,7 +36,7 @@ def _policy(path: str, lora: dict | None = None, **overrides) -> PolicyConfig:
 def _local(engine: DTensorEngine, *, adapters: bool) -> dict[str, torch.Tensor]:
     """Copies of this rank's shards of the adapter (or the base) parameters, by module name (FSDP2 leaves the
     root module's parameters unsharded after a forward: local_tensor takes them as they are)."""
-    return {name: local_tensor(p).detach().clone() for name, p in engine.model.named_parameters()
+    return {name: local_tensor(p).detach().cpu().clone() for name, p in engine.model.named_parameters()
             if (".lora_" in name) == adapters}
 
 
@@ -45,7 +45,7 @@ def _adapters(engine: DTensorEngine) -> dict[str, tuple[torch.Tensor, torch.Tens
     out = {}
     for name, module in engine.model.named_modules():
         if isinstance(module, LoRALinear):
-            w, a, b = (full_tensor(p).clone() for p in
+            w, a, b = (full_tensor(p).cpu().clone() for p in
                        (module.base_layer.weight, module.lora_A.weight, module.lora_B.weight))
             out[hf_name(f"{name}.base_layer.weight")] = (w, a, b, module.scaling)
     return out
@@ -68,16 +68,21 @@ def _train_and_export(rank: int, world: int, path: str, batch, hf_dir: str) -> d
         "optimizer_names": sorted(name for name, p in engine.model.named_parameters() if id(p) in in_optimizer),
         "state_names": sorted(name for name, p in engine.model.named_parameters() if p in engine.optimizer.state),
         "trained_lp": engine.compute_logprobs(batch), "ref_lp": engine.compute_ref_logprobs(batch),
-        "export": dict(engine.export_hf_weights()), "adapters": _adapters(engine),
+        "export": {name: t.cpu() for name, t in engine.export_hf_weights()}, "adapters": _adapters(engine),
     }
 
 
-@pytest.fixture(scope="module")
-def trained(ckpt, tmp_path_factory) -> dict:
+# CPU (gloo, forked rank) and CUDA (a spawned rank; FSDP2 then all-gathers the bf16-cast adapters with the frozen
+# weights of their unit on the GPU: run where a GPU is, skipped elsewhere)
+BACKENDS = ["gloo", pytest.param(CUDA_BACKEND, marks=pytest.mark.gpu, id="cuda")]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def trained(request, ckpt, tmp_path_factory) -> dict:
     """One LoRA run of 3 steps (1 rank), with what every test below compares."""
     path, hf_dir = ckpt(ARCH), str(tmp_path_factory.mktemp("lora") / "hf")
     batch = grpo_batch(path)
-    (result,) = run_distributed(_train_and_export, 1, args=(path, batch, hf_dir))
+    (result,) = run_distributed(_train_and_export, 1, args=(path, batch, hf_dir), backend=request.param)
     return {**result, "path": path, "batch": batch, "hf_dir": hf_dir}
 
 
@@ -236,12 +241,13 @@ def _bf16(rank: int, world: int, path: str, batch) -> dict:
     return out
 
 
-def test_bf16_keeps_the_frozen_base_in_bf16_with_the_same_results(ckpt) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_keeps_the_frozen_base_in_bf16_with_the_same_results(ckpt, backend) -> None:
     """bf16 storage of the frozen base: FSDP casts float32 weights to bf16 for every forward, so storing them in
     bf16 computes the same bits (at half the memory); the adapters keep float32 master weights."""
     path = ckpt(ARCH)
     batch = grpo_batch(path)
-    (out,) = run_distributed(_bf16, 1, args=(path, batch))
+    (out,) = run_distributed(_bf16, 1, args=(path, batch), backend=backend)
     assert all(torch.equal(a, b) for a, b in zip(out["lora_lp"], out["plain_lp"]))
     assert {n for n, d in out["dtypes"].items() if d == torch.float32} == {n for n in out["dtypes"] if ".lora_" in n}
     assert set(out["dtypes"].values()) == {torch.float32, torch.bfloat16}
