@@ -17,9 +17,10 @@ from rl_core.testing.distributed import run_distributed
 from rl_core.testing.tiny_models import cached_tiny_checkpoint
 
 
-def _train_and_save(rank: int, world: int, path: str, batch, tp: int, ckpt_dir: str, hf_dir: str) -> list:
+def _train_and_save(rank: int, world: int, path: str, batch, dtensor_cfg: dict, ckpt_dir: str, hf_dir: str) -> list:
     """Two training steps, then the engine checkpoint and the live save_hf of the same weights."""
-    engine = DTensorEngine(make_policy(path, dtensor_cfg={"tensor_parallel_size": tp}, logprob_batch_size=1))
+    engine = DTensorEngine(make_policy(path, dtensor_cfg=dtensor_cfg, logprob_batch_size=1))
+    tp = dtensor_cfg.get("tensor_parallel_size", 1)
     shard = batch if tp == world else batch.select(list(range(rank, len(batch), world)))
     for _ in range(2):
         engine.train_batch(shard, ClippedPGLoss())
@@ -47,17 +48,23 @@ def _logprobs(model_dir: Path | str, seqs: list[torch.Tensor]) -> list[torch.Ten
                 for ids in seqs]
 
 
+# LoRA: the adapters (on the attention projections only, alpha/dim = 4) are merged from the checkpoint's lora.json
+LORA = {"lora_cfg": {"enabled": True, "dim": 4, "alpha": 16.0, "target_modules": ["q_proj", "k_proj", "v_proj",
+                                                                                  "o_proj"]}}
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    ("arch", "overrides", "tp"),
-    [("llama", {}, 2), ("qwen2", {"tie_word_embeddings": True}, 1), ("qwen3_moe", {}, 1)],
-    ids=["llama-tp2", "qwen2-tied-fsdp2", "qwen3_moe-fsdp2"],
+    ("arch", "overrides", "dtensor_cfg"),
+    [("llama", {}, {"tensor_parallel_size": 2}), ("qwen2", {"tie_word_embeddings": True}, {}), ("qwen3_moe", {}, {}),
+     ("qwen2", {}, LORA)],
+    ids=["llama-tp2", "qwen2-tied-fsdp2", "qwen3_moe-fsdp2", "qwen2-lora-fsdp2"],
 )
-def test_offline_export_equals_live_save_hf(tmp_path, arch: str, overrides: dict, tp: int) -> None:
+def test_offline_export_equals_live_save_hf(tmp_path, arch: str, overrides: dict, dtensor_cfg: dict) -> None:
     path = str(cached_tiny_checkpoint(arch, **overrides))
     batch = grpo_batch(path, lengths=[6, 11, 4, 9])
     ckpt_dir, live, offline = tmp_path / "ckpt", tmp_path / "live", tmp_path / "offline"
-    engine_logprobs = run_distributed(_train_and_save, 2, args=(path, batch, tp, str(ckpt_dir), str(live)))[0]
+    engine_logprobs = run_distributed(_train_and_save, 2, args=(path, batch, dtensor_cfg, str(ckpt_dir), str(live)))[0]
 
     DTensorEngine.checkpoint_to_hf(str(ckpt_dir), str(offline), model_dir=path)  # this process: no dist
 
@@ -71,8 +78,10 @@ def test_offline_export_equals_live_save_hf(tmp_path, arch: str, overrides: dict
     assert (offline / "tokenizer.json").exists()
 
     loaded = _logprobs(offline, batch.input_ids)
+    # the engine's trained model; layout rounding only (LoRA: and W x + s B A x computed as (W + s B A) x)
+    tolerance = 1e-5 if "lora_cfg" in dtensor_cfg else 2e-6
     for lp, engine_lp in zip(loaded, engine_logprobs):
-        assert (lp - engine_lp[1:]).abs().max() <= 2e-6  # the engine's trained model; layout rounding only
+        assert (lp - engine_lp[1:]).abs().max() <= tolerance
     assert max_abs_diff(loaded, _logprobs(path, batch.input_ids)) > 1e-4  # training changed the weights
 
 

@@ -12,6 +12,7 @@ both go through one writer. The filesystem must be shared by all ranks (one node
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -28,12 +29,15 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from engine_dtensor import lora
+from engine_dtensor.config import LoRAConfig
 from engine_dtensor.loading import build_meta_model
 from engine_dtensor.parallelize import hf_name
 from rl_core import checkpoint_io
+from rl_core.config import parse_config
 
 logger = logging.getLogger(__name__)
 
+LORA_FILE = "lora.json"  # the LoRA settings of a checkpoint of a LoRA run
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
 
 
@@ -64,13 +68,17 @@ def _commit(tmp: Path, path: str) -> None:
     _barrier()
 
 
-def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: object) -> None:
-    """DCP model + optimizer shards, plus scheduler and this rank's RNG state, atomically at `path`."""
+def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: object,
+                    lora_cfg: LoRAConfig | None = None) -> None:
+    """DCP model + optimizer shards, plus scheduler and this rank's RNG state, atomically at `path`; with LoRA,
+    its settings (`LORA_FILE`: what an offline export needs to merge the adapters)."""
     tmp = _prepare_tmp(path)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     extra = {"scheduler": scheduler.state_dict(), "rng": checkpoint_io.rng_state()}
     torch.save(extra, tmp / f"extra_rank{_rank()}.pt")
+    if lora_cfg is not None and _rank() == 0:
+        (tmp / LORA_FILE).write_text(json.dumps(dataclasses.asdict(lora_cfg), indent=1))
     _commit(tmp, path)
     logger.info("saved checkpoint %s", path)
 
@@ -188,10 +196,19 @@ def checkpoint_to_hf(checkpoint_dir: str, out_dir: str, *, model_dir: str, max_s
         raise ValueError(f"{out_dir} already exists; remove it or choose another output directory")
     _verify_checkpoint(checkpoint_dir)
     model = build_meta_model(model_dir, "eager")  # names, order, ties and MoE layout; no storage
-    full = _load_model_tensors(checkpoint_dir, model, model_dir)
+    lora_file = Path(checkpoint_dir) / LORA_FILE
+    if lora_file.is_file():  # the adapters the run trained, on the modules it put them on
+        lora.apply_lora(model, parse_config(LoRAConfig, json.loads(lora_file.read_text()), "lora.json"),
+                        frozen_dtype=torch.float32)
+    adapters = lora.adapter_names(model)
+    full = _load_model_tensors(checkpoint_dir, model, model_dir,
+                               [name for a, b, _ in adapters.values() for name in (a, b)])
 
     def take(name: str, tensor: Tensor) -> Tensor:  # popped: each tensor is freed once its shard is written
-        return full.pop(name)
+        if name not in adapters:
+            return full.pop(name)
+        a, b, scaling = adapters[name]
+        return lora.merge(full.pop(name), full.pop(a), full.pop(b), scaling)
 
     with checkpoint_io.atomic_dir(out_dir, replace=False) as tmp:
         _write_hf_dir(tmp, _hf_tensors(model, take), model, model_dir, max_shard_bytes)
@@ -199,25 +216,25 @@ def checkpoint_to_hf(checkpoint_dir: str, out_dir: str, *, model_dir: str, max_s
     logger.info("exported %s to HF checkpoint %s", checkpoint_dir, out_dir)
 
 
-def _load_model_tensors(checkpoint_dir: str, model: nn.Module, model_dir: str) -> dict[str, Tensor]:
-    """HF name -> full tensor of each `_distinct_state(model)` entry, read from the `model.*` entries of a DCP
-    checkpoint (no `optim.*` entry, nor a tied weight's second name, is read), assembled from all ranks' shards
-    in this process. The checkpoint must hold exactly the model's weights: an extra one (a LoRA adapter, another
-    architecture's bias) would otherwise be dropped silently."""
+def _load_model_tensors(checkpoint_dir: str, model: nn.Module, model_dir: str,
+                        adapters: list[str]) -> dict[str, Tensor]:
+    """HF name -> full tensor of each `_distinct_state(model)` entry and of the LoRA `adapters`, read from the
+    `model.*` entries of a DCP checkpoint (no `optim.*` entry, nor a tied weight's second name, is read),
+    assembled from all ranks' shards in this process. The checkpoint must hold exactly the model's weights: an
+    extra one (another architecture's bias) would otherwise be dropped silently."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     reader = dcp.FileSystemReader(checkpoint_dir)
     entries = reader.read_metadata().state_dict_metadata  # DCP keys: "model.<fqn>", "optim.<...>"
     keys = {hf_name(key.removeprefix("model.")): key for key, meta in entries.items()
             if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
-    names = list(_distinct_state(model))
+    names = [*_distinct_state(model), *adapters]
     missing = [name for name in names if name not in keys]
     extra = sorted(set(keys) - {hf_name(name) for name in model.state_dict()})  # tied weights under each name
     if missing or extra:
         raise ValueError(f"{checkpoint_dir} does not hold the weights of the model in model_dir={model_dir!r} "
                          f"(missing: {missing[:3]}, {len(missing)} in all; not in the model: {extra[:3]}, "
-                         f"{len(extra)} in all): pass the run's policy.model_name; a checkpoint with LoRA adapters "
-                         "cannot be exported offline, export it with the engine's save_hf")
+                         f"{len(extra)} in all): pass the run's policy.model_name")
     state = {keys[name]: torch.empty(entries[keys[name]].size, dtype=entries[keys[name]].properties.dtype)
              for name in names}
     with warnings.catch_warnings():  # torch warns that it assumes one process even when told so (no_dist)

@@ -260,7 +260,8 @@ class DTensorEngine(TrainingEngine):
         checkpoint.save_hf(path, self.model, self.policy.model_name)
 
     def save_checkpoint(self, path: str) -> None:
-        checkpoint.save_checkpoint(path, self.model, self.optimizer, self.scheduler)
+        checkpoint.save_checkpoint(path, self.model, self.optimizer, self.scheduler,
+                                   self.cfg.lora_cfg if self.cfg.lora_cfg.enabled else None)
 
     def load_checkpoint(self, path: str) -> None:
         checkpoint.load_checkpoint(path, self.model, self.optimizer, self.scheduler)

@@ -63,10 +63,14 @@ class LoRALinear(nn.Module):
         copy_into_shard(self.lora_B.weight, torch.zeros(tuple(self.lora_B.weight.shape), dtype=full_a.dtype))
 
     def merged_weight(self, weight: Tensor) -> Tensor:
-        """W + scaling * B @ A from the base weight `weight` (full), summed in float32 and rounded once to W's
-        dtype; gathers A and B (a collective under FSDP)."""
-        a, b = full_tensor(self.lora_A.weight), full_tensor(self.lora_B.weight)
-        return (weight.float() + self.scaling * (b @ a)).to(weight.dtype)
+        """`merge` of the base weight `weight` (full) with this module's adapter; gathers A and B (a collective
+        under FSDP)."""
+        return merge(weight, full_tensor(self.lora_A.weight), full_tensor(self.lora_B.weight), self.scaling)
+
+
+def merge(weight: Tensor, a: Tensor, b: Tensor, scaling: float) -> Tensor:
+    """W + scaling * B @ A, summed in float32 and rounded once to W's dtype."""
+    return (weight.float() + scaling * (b.float() @ a.float())).to(weight.dtype)
 
 
 def full_tensor(t: Tensor) -> Tensor:
@@ -155,9 +159,20 @@ def is_adapter_param(name: str) -> bool:
     return any(f"{adapter}." in name for adapter in ADAPTER_NAMES)
 
 
+def adapter_names(model: nn.Module) -> dict[str, tuple[str, str, float]]:
+    """HF name of each adapted base weight -> (HF-style names of its A and B, scaling): what an offline reader of a
+    checkpoint merges (checkpoint.checkpoint_to_hf)."""
+    return {weight: (hf_name(f"{name}.lora_A.weight"), hf_name(f"{name}.lora_B.weight"), module.scaling)
+            for weight, (name, module) in _adapted(model).items()}
+
+
 def adapters_by_weight(model: nn.Module) -> dict[str, LoRALinear]:
     """HF name of each adapted base weight -> its LoRALinear (export merges the adapter into that weight)."""
-    return {hf_name(f"{name}.base_layer.weight"): module for name, module in model.named_modules()
+    return {weight: module for weight, (_, module) in _adapted(model).items()}
+
+
+def _adapted(model: nn.Module) -> dict[str, tuple[str, LoRALinear]]:
+    return {hf_name(f"{name}.base_layer.weight"): (name, module) for name, module in model.named_modules()
             if isinstance(module, LoRALinear)}
 
 
