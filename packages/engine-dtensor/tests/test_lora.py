@@ -194,9 +194,14 @@ def test_checkpoint_resume_is_exact(ckpt, tmp_path) -> None:
     assert params.keys() == resumed_params.keys()
     assert all(torch.equal(params[n], resumed_params[n]) for n in params)
     assert_layout_close(ref, hf_reference_logprobs(path, batch.input_ids))  # the reference is still the base
-    # the offline export cannot merge (the checkpoint has no alpha/dim): it refuses rather than drop the adapters
-    with pytest.raises(ValueError, match="LoRA adapters"):
-        DTensorEngine.checkpoint_to_hf(str(tmp_path / "step1"), str(tmp_path / "hf"), model_dir=path)
+    # the offline export merges the adapters (settings from the checkpoint's lora.json; bitwise equal to the live
+    # save_hf in test_checkpoint_to_hf.py): the adapted weights differ from the base's, the others do not
+    DTensorEngine.checkpoint_to_hf(str(tmp_path / "step1"), str(tmp_path / "hf"), model_dir=path)
+    from safetensors.torch import load_file
+
+    exported, initial = load_file(str(tmp_path / "hf" / "model.safetensors")), _initial_weights(path)
+    changed = {name for name in exported if not torch.equal(exported[name], initial[name])}
+    assert changed and all(name.endswith("_proj.weight") for name in changed)
 
 
 @pytest.mark.parametrize(("lora", "tp", "key"), [
