@@ -10,7 +10,9 @@ Models (random init std 0.02, built locally and cached under ~/.cache/rl-stack/b
 loss on the second half of each. Layouts: packed (sequence packing, --mb-tokens per micro-batch) and
 unpacked (dynamic batching, padded rows, the same token budget). Engines: dtensor, megatron, and
 dtensor-compile (`policy.dtensor_cfg.compile`: torch.compile per decoder layer, fusing the RMSNorm, RoPE,
-SwiGLU and residual elementwise passes that HF's eager layers run one kernel each).
+SwiGLU and residual elementwise passes that HF's eager layers run one kernel each) and dtensor-lora
+(`policy.dtensor_cfg.lora_cfg`, rank 16 on every decoder linear layer: the peak memory is the point; its MFU
+counts the FLOPs of full training, which LoRA does not spend on the frozen weights' gradients).
 
 Each (model, engine, layout) runs in a fresh process (spawned: CUDA) so peaks and first calls are its own.
 Reported per run: the process's first `train_batch` (one-time costs: allocator growth, kernel loading,
@@ -110,7 +112,8 @@ def _rank_fn(rank: int, world: int, model: str, engine_name: str, packed: bool, 
 
     rate = gemm_rate(device, torch.bfloat16, n=gemm_n)
     megatron = engine_name == "megatron"
-    extra = {"dtensor_cfg": {"compile": True}} if engine_name == "dtensor-compile" else {}
+    extra = {"dtensor-compile": {"dtensor_cfg": {"compile": True}},
+             "dtensor-lora": {"dtensor_cfg": {"lora_cfg": {"enabled": True, "dim": 16}}}}.get(engine_name, {})
     policy = policy_config(model, packing=packed, mb_tokens=mb_tokens, megatron=megatron, precision="bfloat16",
                            **extra)
     engine = create_engine(policy)
@@ -157,7 +160,8 @@ def main() -> None:
     parser.add_argument("--models", default="0.5b,8x2048")
     parser.add_argument("--engines", default="dtensor,megatron",
                         help="of dtensor, megatron, dtensor-compile (policy.dtensor_cfg.compile: each decoder layer "
-                             "through torch.compile)")
+                             "through torch.compile), dtensor-lora (rank-16 LoRA on every linear layer of the decoder: "
+                             "its MFU still counts full-training FLOPs)")
     parser.add_argument("--layouts", default="packed,unpacked")
     parser.add_argument("--seqs", type=int, default=128)
     parser.add_argument("--median", type=int, default=512)

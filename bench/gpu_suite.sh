@@ -2,7 +2,7 @@
 # Every GPU check of the project on one GPU, part by part, each under its own time limit with its own log
 # (a part that hangs is killed, the next one still runs). From the workspace root:
 #   bash bench/gpu_suite.sh LOG_DIR [PART ...]      PART: tests-engines tests-app logprobs engines-0.5b
-#                                                   engines-8x2048 engines-compile generation grpo
+#                                                   engines-8x2048 engines-compile engines-lora generation grpo
 # Default: every part (~30 min on an H100). Durations measured on one H100 (2026-11-23) in brackets:
 #   tests-engines   pytest -m gpu over rl-core, seqpack, ckpt-convert and both engines (each sync and
 #                   layout test spawns its own ranks: ~15 fresh torch/megatron processes)
@@ -14,6 +14,7 @@
 #                   profiled once (top CUDA kernels, wall vs kernel time)            [~4.5 min unprofiled]
 #   engines-8x2048  the same on 8 layers x hidden 2048                                [not run yet]
 #   engines-compile the 0.5B shape, packed, DTensor with policy.dtensor_cfg.compile   [not run yet]
+#   engines-lora    both shapes, packed, DTensor with rank-16 LoRA (peak memory against engines-0.5b's) [not run yet]
 #   generation      packages/rollout/bench/bench_generation.py --device cuda (0.5B, 1.5B) [0.5B < 3 min;
 #                   1.5B: its checkpoint build and HF's row took most of 140 s, ours not measured yet]
 #   grpo            bench/grpo_vs_trl.py --device cuda, both engines and TRL, one round [not run yet]
@@ -25,7 +26,7 @@ cd "$(dirname "$0")/.."
 out=${1:?usage: bash bench/gpu_suite.sh LOG_DIR [PART ...]}; shift
 mkdir -p "$out"
 parts=("$@"); [ ${#parts[@]} -eq 0 ] && parts=(tests-engines tests-app logprobs engines-0.5b engines-8x2048 engines-compile
-                                              generation grpo)
+                                              engines-lora generation grpo)
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 
@@ -51,10 +52,12 @@ for part in "${parts[@]}"; do
     engines-8x2048) run engines-8x2048 560 $py bench/gpu_engines.py --models 8x2048 --profile 15 ;;
     engines-compile) run engines-compile 560 $py bench/gpu_engines.py --models 0.5b --engines dtensor-compile \
             --layouts packed --profile 15 ;;
+    engines-lora) run engines-lora 400 $py bench/gpu_engines.py --models 0.5b,8x2048 --engines dtensor-lora \
+            --layouts packed ;;
     generation) run generation 560 $py packages/rollout/bench/bench_generation.py --device cuda ;;
     grpo) run grpo 560 $py bench/grpo_vs_trl.py --device cuda --engines dtensor,megatron --rounds 1 \
             ${TRL_PYTHON:+--trl-python "$TRL_PYTHON"} ;;
-    *) echo "unknown part '$part': choose from tests-engines tests-app logprobs engines-0.5b engines-8x2048 engines-compile generation grpo" >&2
+    *) echo "unknown part '$part': choose from tests-engines tests-app logprobs engines-0.5b engines-8x2048 engines-compile engines-lora generation grpo" >&2
        exit 2 ;;
   esac
 done
