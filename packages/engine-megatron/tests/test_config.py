@@ -22,6 +22,12 @@ def test_unknown_transformer_key_names_the_closest_field() -> None:
         parse_megatron_config({"apply_rope_fusio": True})
 
 
+def test_lora_on_the_megatron_engine_points_at_the_dtensor_engine() -> None:
+    with pytest.raises(ConfigError, match=r"policy\.megatron_cfg\.lora_cfg: LoRA is implemented by the DTensor engine "
+                                          r"only; set .*policy\.dtensor_cfg\.lora_cfg\.enabled=true"):
+        parse_megatron_config({"lora_cfg": {"enabled": True}})
+
+
 def test_nested_sections_are_checked_against_megatron() -> None:
     with pytest.raises(ConfigError, match=r"megatron_cfg\.optimizer\.adam_beta3.*adam_beta"):
         parse_megatron_config({"optimizer": {"adam_beta3": 0.9}})

@@ -185,6 +185,9 @@ def parse_megatron_config(raw: dict[str, Any], section: str = SECTION) -> Megatr
             known[key] = value
         elif key in transformer:
             extra[key] = value
+        elif key in ("lora_cfg", "peft", "lora"):  # what a NeMo-RL or DTensor-engine user would write
+            raise ConfigError(f"{section}.{key}: LoRA is implemented by the DTensor engine only; set "
+                              "policy.megatron_cfg.enabled=false and policy.dtensor_cfg.lora_cfg.enabled=true")
         else:
             near = closest_key(key, own + transformer)
             hint = f"; did you mean '{section}.{near}'?" if near else ""
