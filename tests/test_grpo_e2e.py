@@ -345,3 +345,37 @@ def check_merged_hf_copy(checkpoint: Path, tmp_path: Path) -> None:
             torch.testing.assert_close(tensor, stored, rtol=0, atol=0, msg=name)
     assert merged == 14  # q, k, v, o, gate, up, down in both layers, all trained
     assert not any("lora" in name or "base_layer" in name for name in exported)
+
+
+@pytest.mark.slow
+def test_reward_model_environment_trains_and_evaluates(tmp_path):
+    """env.name=reward_model (a tiny sequence classifier built here): a few steps through Ray, the reward workers
+    scoring with it; then `apps/grpo eval` on the trained policy scores each completion with exactly the reward
+    model's logit of prompt + completion, computed here by transformers alone."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from rl_core.testing.tiny_models import save_tiny_reward_model
+
+    rm = save_tiny_reward_model(tmp_path / "rm")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{c}{c}:{n}"}) + "\n" for c in "abcdefgh" for n in range(1, 4)))
+    task = ["env.name=reward_model", f"env.kwargs.model={rm}", f"env.train_data={prompts}", f"env.val_data={prompts}"]
+    records = run_grpo(tmp_path / "run", *task, "grpo.max_steps=2", "grpo.val_every=2", "checkpointing.save_every=2")
+    steps = train_records(records)
+    assert sorted(steps) == [0, 1] and all(math.isfinite(r["train/loss"]) for r in steps.values())
+    assert steps[0]["rollout/reward_std"] > 0  # the reward model tells completions apart
+    out = tmp_path / "eval.jsonl"
+    proc = subprocess.run([sys.executable, str(ROOT / "apps/grpo"), "eval", "--config", str(tmp_path / "run/config.yaml"),
+                           f"policy.model_name={tmp_path / 'run/checkpoints/step_2/hf'}", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    evaluated = [json.loads(line) for line in out.read_text().splitlines()]
+    tokenizer, model = AutoTokenizer.from_pretrained(rm), AutoModelForSequenceClassification.from_pretrained(rm)
+    with torch.no_grad():
+        expected = [float(model(**tokenizer(r["prompt"] + r["completion"], return_tensors="pt")).logits[0, 0])
+                    for r in evaluated]
+    assert [r["reward"] for r in evaluated] == pytest.approx(expected, abs=1e-5)
+    assert summary["eval/reward_mean"] == pytest.approx(sum(expected) / len(expected), abs=1e-5)
+    # greedy, as the run's last validation (same weights, same prompts, same decoding): the same mean reward
+    assert summary["eval/reward_mean"] == pytest.approx(records[-1]["val/reward_mean"], abs=1e-5)

@@ -111,6 +111,22 @@ def save_tiny_checkpoint(path: str | os.PathLike, arch: str = "qwen2", *, seed: 
     return path
 
 
+def save_tiny_reward_model(path: str | os.PathLike, arch: str = "qwen2", *, seed: int = 0, num_labels: int = 1) -> Path:
+    """A tiny `*ForSequenceClassification` (`num_labels` 1: a Bradley-Terry reward model) with random weights and
+    the char tokenizer at `path` (atomically); returns the path."""
+    from transformers import AutoModelForSequenceClassification
+
+    path = Path(path)
+    tokenizer = build_tokenizer()
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_config(
+        tiny_config(arch, num_labels=num_labels, pad_token_id=tokenizer.pad_token_id))
+    with atomic_dir(path) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    return path
+
+
 def cached_tiny_checkpoint(arch: str = "qwen2", *, seed: int = 0, cache_dir: str | os.PathLike | None = None,
                            **overrides: Any) -> Path:
     """A tiny checkpoint cached under `cache_dir` (default ~/.cache/rl-stack/tiny-models), built once."""

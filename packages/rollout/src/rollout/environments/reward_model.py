@@ -1,0 +1,70 @@
+"""`reward_model`: a Hugging Face sequence-classification reward model as the environment (RLHF's learned reward).
+
+A completion's reward is the model's score of the prompt's rendered text followed by the completion: the logit
+`label` (0: a Bradley-Terry reward model's single output) at the text's last token, as
+`AutoModelForSequenceClassification` pools it. The text is the policy's own rendering (its chat template, where
+`env.use_chat_template` is set), so the reward model must read that format; a reward that needs another one is a
+`function` environment. The model's weights are data, not code (`trust_remote_code` stays off), so it scores in
+this process, in batches of `batch_size`, not in the sandboxed pool of the function environments.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from rl_core.interfaces import RewardRequest, RewardResult
+from rollout.environments.base import register_environment
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@register_environment("reward_model")
+class RewardModelEnvironment:
+    """Scores `prompt + completion` with a local sequence-classification checkpoint `model`."""
+
+    def __init__(self, *, model: str, device: str = "cpu", dtype: str = "float32", batch_size: int = 16,
+                 max_length: int | None = None, label: int = 0) -> None:
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        if not (Path(model) / "config.json").is_file():
+            raise ValueError(f"env.kwargs.model={model!r} is not a local Hugging Face checkpoint directory (no "
+                             "config.json); save the reward model with save_pretrained and point at that directory")
+        if dtype not in DTYPES:
+            raise ValueError(f"env.kwargs.dtype={dtype!r} must be one of {sorted(DTYPES)}")
+        if batch_size < 1 or (max_length is not None and max_length < 1):
+            raise ValueError(f"env.kwargs.batch_size={batch_size} and max_length={max_length} must be >= 1")
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"env.kwargs.device={device!r}, but this process sees no GPU (the trainer's reward "
+                             "workers get none): score in the driver with env.num_workers=0, or use device=cpu")
+        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        if self.tokenizer.pad_token_id is None:  # padding is only for batching; the score is at the last real token
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.tokenizer.padding_side = "right"
+        self.model = AutoModelForSequenceClassification.from_pretrained(model, dtype=DTYPES[dtype]).eval()
+        self.model.requires_grad_(False).to(self.device)
+        if self.model.config.pad_token_id is None:  # where the pooling looks for the last real token
+            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        if not 0 <= label < self.model.config.num_labels:
+            raise ValueError(f"env.kwargs.label={label}: the reward model has {self.model.config.num_labels} "
+                             f"output(s); choose one in [0, {self.model.config.num_labels - 1}]")
+        self.batch_size, self.max_length, self.label = batch_size, max_length, label
+        logger.info("reward model %s (%s, %s) on %s", model, type(self.model).__name__, dtype, self.device)
+
+    @torch.no_grad()
+    def score(self, requests: Sequence[RewardRequest]) -> list[RewardResult]:
+        texts = [r.prompt + r.completion for r in requests]
+        scores: list[float] = []
+        for start in range(0, len(texts), self.batch_size):
+            batch = self.tokenizer(texts[start : start + self.batch_size], return_tensors="pt", padding=True,
+                                   truncation=self.max_length is not None, max_length=self.max_length)
+            logits = self.model(input_ids=batch["input_ids"].to(self.device),
+                                attention_mask=batch["attention_mask"].to(self.device)).logits
+            scores += logits[:, self.label].float().tolist()
+        return [RewardResult(reward=score) for score in scores]
