@@ -55,7 +55,6 @@ def test_trainer_command_lines_in_docs_load():
     validate (loading only: no model, no Ray)."""
     from grpo_app.config import load_config
     from grpo_app.devices import Hardware
-
     from grpo_app.main import SUBCOMMANDS
 
     gpu = Hardware(cuda_available=True, bf16_supported=True, num_gpus=8)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -256,3 +257,22 @@ def test_run_distributed_spawn_mode_runs_gloo_ranks_in_fresh_interpreters():
 def test_run_distributed_refuses_to_fork_nccl_ranks():
     with pytest.raises(ValueError, match="forked ranks cannot use CUDA"):
         run_distributed(_rank_and_cuda_state, world_size=2, backend=CUDA_BACKEND, start_method="fork")
+
+
+def _hanging_rank(rank, world_size):
+    if rank == 1:
+        time.sleep(60)  # never reports within the test's timeout
+    return rank
+
+
+def _dying_rank(rank, world_size):
+    os._exit(3)
+
+
+@pytest.mark.distributed
+def test_run_distributed_names_a_hung_rank_with_its_stack_and_a_dead_one_with_its_code(capfd):
+    with pytest.raises(RuntimeError, match=r"rank 1 still running \(its stack is in the test's stderr\)$"):
+        run_distributed(_hanging_rank, world_size=2, timeout=8)
+    assert "in _hanging_rank" in capfd.readouterr().err  # the stack of the rank that hung, where it hung
+    with pytest.raises(RuntimeError, match="rank 0 exited with code 3 without reporting"):
+        run_distributed(_dying_rank, world_size=1, timeout=3)

@@ -31,9 +31,15 @@ from rl_core.distributed import free_port
 CUDA_BACKEND = "cpu:gloo,cuda:nccl"  # the engines' own choice with CUDA: NCCL for GPU tensors, gloo for CPU ones
 
 
-def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, queue: Any, backend: str) -> None:
+def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, queue: Any, backend: str,
+            timeout: float) -> None:
+    import faulthandler
+
     import torch
     import torch.distributed as dist
+
+    # a rank that hangs prints where, just before the parent gives up on it (the test's captured stderr)
+    faulthandler.dump_traceback_later(max(timeout - 5.0, 1.0), exit=False)
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
@@ -99,7 +105,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, args: tuple = (
         fn = _FunctionByFile(inspect.getfile(fn), fn.__module__, fn.__qualname__)
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue, backend))
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue, backend, timeout))
              for r in range(world_size)]
     for proc in procs:
         proc.start()
@@ -114,7 +120,10 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, args: tuple = (
                 errors.append(f"--- rank {rank} ---\n{payload}")
                 break  # the other ranks may now hang in a collective: stop them below
     except Exception as exc:  # queue.Empty: a rank hung or died without reporting
-        errors.append(f"no result from every rank within {timeout:.0f} s ({type(exc).__name__})")
+        silent = [(r, p.exitcode) for r, p in enumerate(procs) if r not in results]
+        errors.append(f"no result from every rank within {timeout:.0f} s ({type(exc).__name__}): " + "; ".join(
+            f"rank {r} still running (its stack is in the test's stderr)" if code is None
+            else f"rank {r} exited with code {code} without reporting" for r, code in silent))
     finally:
         for proc in procs:
             proc.join(timeout=5 if not errors else 0.1)
