@@ -224,15 +224,30 @@ def test_signals_during_the_cleanup_leave_one_line_exit_130_and_nothing_behind(t
         proc.wait()
 
 
+def _start_workers(rank: int, world_size: int, cfg) -> str:
+    """Workers(cfg) on a local Ray in this (spawned) process: the error it raises, as text."""
+    cluster.start_ray(cfg)
+    try:
+        cluster.Workers(cfg)
+    except ray.exceptions.RayError as exc:
+        return type(exc).__name__
+    finally:
+        cluster.stop_ray()
+    return "started"
+
+
 def test_a_start_that_fails_closes_the_reward_pools_it_started(tmp_path, monkeypatch):
     """A policy rank that cannot start (here: its model directory is gone) fails the run's start after the reward
     worker has opened its scoring pool; what did start is shut down, and the pool's scratch directory is removed
-    (before, it was left for the next run on the node to remove; a Ctrl-C during the start did the same)."""
+    (before, it was left for the next run on the node to remove; a Ctrl-C during the start did the same). The
+    driver is a spawned process: Ray started in the test process would leave threads that later forked tests'
+    ranks can deadlock on."""
     import dataclasses
     import shutil
 
     from grpo_app.config import load_config
     from grpo_app.preflight import preflight
+    from rl_core.testing.distributed import run_distributed
 
     temp = tmp_path / "tmp"
     temp.mkdir()
@@ -243,10 +258,6 @@ def test_a_start_that_fails_closes_the_reward_pools_it_started(tmp_path, monkeyp
     shutil.copytree(cfg.policy.model_name, model)
     cfg = dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, model_name=str(model)))
     (model / "model.safetensors").unlink()  # preflight passed: the workers find it missing
-    cluster.start_ray(cfg)
-    try:
-        with pytest.raises(ray.exceptions.RayError):
-            cluster.Workers(cfg)
-        assert not list(temp.glob("reward-pool-*"))
-    finally:
-        cluster.stop_ray()
+    (outcome,) = run_distributed(_start_workers, world_size=1, args=(cfg,), start_method="spawn")
+    assert outcome != "started"  # the policy rank's failure came out of Workers(cfg) as a Ray error
+    assert not list(temp.glob("reward-pool-*"))

@@ -15,6 +15,7 @@ be picklable and each rank pays the imports again (seconds).
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import inspect
 import multiprocessing as mp
@@ -103,6 +104,11 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, args: tuple = (
     ctx = mp.get_context(method)
     if method == "spawn":
         fn = _FunctionByFile(inspect.getfile(fn), fn.__module__, fn.__qualname__)
+    else:
+        # Garbage of this process is freed here, not in a forked rank: a rank that collects it runs destructors
+        # that join threads which fork did not copy (a Ray GcsClient left by a test that ran Ray in this process:
+        # the rank hung in ~ClientCallManager's std::thread::join).
+        gc.collect()
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue, backend, timeout))
