@@ -107,10 +107,16 @@ def load_inputs(cfg: GRPOConfig) -> RunInputs:
     train = PromptSource(load_prompts(cfg, tokenizer, "train"), cfg.grpo.seed)
     if not cfg.grpo.val_every:  # no validation: a task without built-in prompts needs no env.val_data
         return RunInputs(tokenizer=tokenizer, train=train, val=[])
+    return RunInputs(tokenizer=tokenizer, train=train, val=load_val_prompts(cfg, tokenizer))
+
+
+def load_val_prompts(cfg: GRPOConfig, tokenizer: Any) -> list[PromptExample]:
+    """The first grpo.num_val_prompts validation prompts: what the trainer validates on and `eval` scores (which
+    reads no train prompts: a large env.train_data would be tokenised for nothing)."""
     val = load_prompts(cfg, tokenizer, "val")[: cfg.grpo.num_val_prompts]
     if not val:
         raise ValueError("the validation prompt set is empty: set env.val_data or grpo.val_every=0")
-    return RunInputs(tokenizer=tokenizer, train=train, val=val)
+    return val
 
 
 def checkpoint_manager(cfg: GRPOConfig) -> CheckpointManager | None:

@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
 HF_DIR = "hf"  # the policy as a Hugging Face model directory (checkpointing.save_hf)
+ADAPTERS_KEY = "lora_cfg"  # an engine section's LoRA settings (run_identity)
 
 
 @dataclass
@@ -177,23 +178,51 @@ def check_prompts(resume_point: ResumePoint, train: PromptSource, *, allow_chang
 
 
 def run_identity(cfg: Any) -> dict[str, Any]:
-    """What a checkpoint can only be resumed under: the model, the engine and its layout, the task."""
+    """What a checkpoint can only be resumed under: the model, the engine and its layout, its adapters, the task."""
     policy = cfg.policy
     identity = {"policy.model_name": policy.model_name, "policy.engine": policy.engine_name,
                 "cluster.train_world_size": cfg.cluster.train_world_size, "env.name": cfg.env.name}
+    adapters = _adapter_layout(policy)
+    if adapters is not None:
+        identity[f"{policy.engine_options_key}.{ADAPTERS_KEY}"] = adapters
     identity.update({f"{policy.engine_options_key}.{key}": value for key, value in sorted(policy.engine_options.items())
                      if key.endswith("parallel_size")})
     return identity
 
 
+def _adapter_layout(policy: Any) -> dict[str, Any] | None:
+    """The LoRA settings that decide which tensors a checkpoint holds (None: no adapters): the rank and the
+    module patterns, from the engine's validated section (an engine whose config has a `lora_cfg`). alpha and
+    dropout are left out: any value loads, as a changed learning rate does."""
+    from rl_core.interfaces import ValidatesConfig
+    from rl_core.registry import ENGINES
+
+    engine_cls = ENGINES.get(policy.engine_name, config_key=policy.engine_config_key)
+    engine_cfg = engine_cls.validate_config(policy) if isinstance(engine_cls, ValidatesConfig) else None
+    lora = getattr(engine_cfg, ADAPTERS_KEY, None)
+    if lora is None or not lora.enabled:
+        return None
+    return {"dim": lora.dim, "target_modules": sorted(set(lora.target_modules)),
+            "exclude_modules": sorted(set(lora.exclude_modules))}
+
+
+def _never_loads(key: str) -> bool:
+    """An identity key whose change no override can resume across: the engine (its own checkpoint format) and the
+    LoRA adapters (which tensors there are)."""
+    return key == "policy.engine" or key.endswith(f".{ADAPTERS_KEY}")
+
+
 def check_identity(resume_point: ResumePoint, identity: dict[str, Any], *, allow_change: bool) -> None:
-    """Refuse to resume under a different model, engine layout or task unless explicitly allowed."""
+    """Refuse to resume under a different model, layout or task unless explicitly allowed; under another engine or
+    other LoRA adapters always (`_never_loads`)."""
     saved = resume_point.state.get("identity", {})
     changed = []
     for key in sorted(identity.keys() | saved.keys()):
         if key.endswith("_parallel_size"):  # an unset size is the engine's default (1; expert TP: = TP)
             default = None if key.endswith("expert_tensor_parallel_size") else 1
             old, new = saved.get(key, default), identity.get(key, default)
+        elif key.endswith(f".{ADAPTERS_KEY}"):  # recorded with LoRA only: absent is no adapters
+            old, new = saved.get(key), identity.get(key)
         elif key not in saved:  # recorded only by newer versions: nothing to compare with
             continue
         else:
@@ -203,6 +232,14 @@ def check_identity(resume_point: ResumePoint, identity: dict[str, Any], *, allow
     if not changed:
         return
     detail = "; ".join(changed)
+    unloadable = [change for change in changed if _never_loads(change.split(":")[0])]
+    if unloadable:  # the load would fail inside the policy actors, after Ray and the model load
+        raise CheckpointError(
+            f"{resume_point.path} cannot load into this run ({'; '.join(unloadable)}): another engine's checkpoint "
+            "format, or other LoRA adapters (other tensor names and shapes), so not even "
+            "checkpointing.allow_config_change=true resumes it. Use the checkpoint's values, or start a new run "
+            f"(another logger.log_dir) from it: `uv run apps/grpo export {resume_point.path}` writes it as a Hugging "
+            "Face model (LoRA adapters merged) to set as policy.model_name")
     if allow_change:
         logger.warning("resuming %s under a changed config (checkpointing.allow_config_change=true): %s",
                        resume_point.path, detail)

@@ -159,7 +159,8 @@ class CheckpointConfig:
     # a Hugging Face copy of the policy (safetensors + config + tokenizer) in `<checkpoint>/hf`, loadable by
     # transformers and vLLM: in the run's last checkpoint, in every one, or none (`uv run apps/grpo export` later)
     save_hf: Literal["final", "every", "never"] = "final"
-    # resume even if policy.model_name, the engine, its parallel layout or env.name differ from the checkpoint's
+    # resume even if policy.model_name, the parallel layout or env.name differ from the checkpoint's (not the engine
+    # nor LoRA adapters: their checkpoints cannot load, checkpoint.check_identity)
     allow_config_change: bool = False
 
 

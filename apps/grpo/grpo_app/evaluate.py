@@ -13,17 +13,19 @@ pass@1..K. Generation and scoring run in this process: no Ray, no training engin
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from grpo_app.config import GRPOConfig, load_config
 from rl_core.checkpoint_io import atomic_write_text
 from rl_core.config import ConfigError
-from rl_core.interfaces import Completion, RewardResult
+from rl_core.interfaces import Completion, GenerationBackend, RewardResult
+from rollout.datasets import PromptExample
 
 logger = logging.getLogger("grpo.eval")
 
@@ -87,19 +89,39 @@ def score_metrics(completions: list[Completion], results: list[RewardResult], sa
     return metrics
 
 
-def evaluate(cfg: GRPOConfig, *, samples: int, threshold: float, out: Path) -> dict[str, float]:
-    """Generate `samples` completions per validation prompt with cfg's backend, score them with cfg's
-    environment; writes one JSON line per completion to `out` and returns the metrics."""
-    from grpo_app.build import load_inputs
-    from grpo_app.loop import reward_requests, sampling_params
-    from rl_core.registry import create_generation_backend
-    from rollout.environments import check_reward_failures, create_environment, finite_rewards
+@dataclass
+class EvalInputs:
+    """What eval reads before it generates anything (a problem here is the user's input: exit 2, one line)."""
 
-    cfg = dataclasses.replace(cfg, grpo=dataclasses.replace(cfg.grpo, val_every=max(cfg.grpo.val_every, 1)))
-    inputs = load_inputs(cfg)  # the validation prompts, as the trainer loads them
-    prompts = inputs.val
+    tokenizer: Any
+    prompts: list[PromptExample]
+    backend: GenerationBackend
+
+
+def load_eval_inputs(cfg: GRPOConfig, out: Path) -> EvalInputs:
+    """The tokenizer, the validation prompts (as the trainer loads them, whatever grpo.val_every says) and the
+    generation backend; `out` checked first, so that no generation is thrown away at the end."""
+    from transformers import AutoTokenizer
+
+    from grpo_app.build import load_val_prompts
+    from rl_core.registry import create_generation_backend
+
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a directory; name the JSONL file to write (e.g. {out / 'eval.jsonl'})")
+    tokenizer = AutoTokenizer.from_pretrained(cfg.policy.model_name)
+    prompts = load_val_prompts(cfg, tokenizer)
     backend = create_generation_backend(cfg.generation.backend, model_path=cfg.policy.model_name,
                                         **cfg.generation.backend_kwargs)
+    return EvalInputs(tokenizer, prompts, backend)
+
+
+def evaluate(cfg: GRPOConfig, inputs: EvalInputs, *, samples: int, threshold: float, out: Path) -> dict[str, float]:
+    """Generate `samples` completions per validation prompt with cfg's backend, score them with cfg's
+    environment; writes one JSON line per completion to `out` and returns the metrics."""
+    from grpo_app.loop import reward_requests, sampling_params
+    from rollout.environments import check_reward_failures, create_environment, finite_rewards
+
+    prompts, backend = inputs.prompts, inputs.backend
     logger.info("evaluating %s on %d prompts x %d completion(s) (%s)", cfg.policy.model_name, len(prompts), samples,
                 "greedy" if samples == 1 else f"temperature {cfg.generation.temperature}")
     completions = backend.generate([p.prompt_token_ids for p in prompts],
@@ -129,12 +151,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        cfg = preflight(load_config(args.config, args.overrides))
-        out = args.out or Path(cfg.logger.log_dir) / "eval.jsonl"
-        metrics = evaluate(cfg, samples=args.samples, threshold=args.threshold, out=out)
-    except (ConfigError, FileNotFoundError, ValueError) as exc:
-        logger.error("%s", exc)
-        return 2
+        try:
+            cfg = preflight(load_config(args.config, args.overrides), training=False)
+            out = args.out or Path(cfg.logger.log_dir) / "eval.jsonl"
+            inputs = load_eval_inputs(cfg, out)
+        except (ConfigError, FileNotFoundError, ValueError) as exc:  # the inputs only: an error in generation or
+            logger.error("%s", exc)                                   # scoring is a bug and keeps its traceback
+            return 2
+        metrics = evaluate(cfg, inputs, samples=args.samples, threshold=args.threshold, out=out)
     except RewardFailureError as exc:
         logger.error("%s", exc)
         return 1

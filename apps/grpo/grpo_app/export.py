@@ -11,11 +11,13 @@ whose manifest covers every file in it.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpo_app.checkpoint import STATE_FILE, CheckpointManager
+from grpo_app.checkpoint import STATE_FILE, CheckpointManager, run_identity
 from grpo_app.config import GRPOConfig, load_config
 from grpo_app.preflight import resolve_model
 from rl_core.checkpoint_io import verify_manifest
@@ -48,6 +50,7 @@ class ExportPlan:
 
 def plan_export(path: Path, config: str | None, out: str | None) -> tuple[ExportPlan, GRPOConfig]:
     """The checkpoint (verified), the run's config and the output directory; ValueError naming the fix."""
+    path = Path(os.path.abspath(path))  # `.` or `step_2` name no parent of their own: the config is found above
     if not path.is_dir():
         raise ValueError(f"{path} does not exist: pass a run directory (logger.log_dir) or one of its "
                          "checkpoints/step_N")
@@ -65,7 +68,20 @@ def plan_export(path: Path, config: str | None, out: str | None) -> tuple[Export
     target = Path(out) if out else config_file.parent / "hf" / checkpoint.name
     if target.exists():
         raise ValueError(f"{target} already exists; remove it or choose another --out")
+    if _is_checkpoint_space(target, checkpoint.parent):
+        raise ValueError(f"--out {target} is inside a checkpoint or takes a checkpoint's name (step_N) in "
+                         f"{checkpoint.parent}: the trainer deletes step_N directories whole (keep-top-k) and no "
+                         "checkpoint's manifest covers the export; choose a directory outside them (default: "
+                         "<log_dir>/hf/step_N)")
     return ExportPlan(checkpoint, target), cfg
+
+
+def _is_checkpoint_space(target: Path, root: Path) -> bool:
+    """`target` lies inside a checkpoint (a directory above it holds its trainer state), or is named as one in the
+    directory of checkpoints `root` (the trainer would take it for a damaged checkpoint, and prune it)."""
+    target = target.resolve()
+    return (any((parent / STATE_FILE).is_file() for parent in target.parents)
+            or (target.parent == root.resolve() and target.name.startswith("step_")))
 
 
 def _newest_intact(cfg: GRPOConfig, run_dir: Path) -> Path:
@@ -79,9 +95,26 @@ def _newest_intact(cfg: GRPOConfig, run_dir: Path) -> Path:
     return point.path
 
 
+def check_config_wrote(checkpoint: Path, cfg: GRPOConfig) -> None:
+    """The (resolved) config names the model and the engine the checkpoint recorded: an edited or another run's
+    config.yaml would convert with another architecture (a converter's error about a missing tensor) or, where the
+    shapes agree, silently with another model's config.json and tokenizer. The parallel layout does not matter
+    offline, and a LoRA checkpoint carries its own adapter settings (the engine's)."""
+    saved = json.loads((checkpoint / STATE_FILE).read_text()).get("identity", {})
+    current = run_identity(cfg)
+    changed = [f"{key}: checkpoint {saved[key]!r}, config {current[key]!r}" for key in ("policy.model_name",
+               "policy.engine") if key in saved and saved[key] != current[key]]
+    if changed:
+        raise ValueError(f"{checkpoint} was not written under this config ({'; '.join(changed)}): pass the config.yaml "
+                         "of the run that wrote it with --config FILE, or restore the run's own config.yaml")
+
+
 def export(plan: ExportPlan, cfg: GRPOConfig) -> None:
-    """Resolve the engine class and the model directory as the trainer does, then convert."""
-    policy = resolve_model(cfg).policy  # tiny:<arch> names rebuild the same cached checkpoint
+    """Resolve the engine class and the model directory as the trainer does, check them against the checkpoint,
+    then convert."""
+    cfg = resolve_model(cfg)  # tiny:<arch> names rebuild the same cached checkpoint
+    check_config_wrote(plan.checkpoint, cfg)
+    policy = cfg.policy
     engine_cls = ENGINES.get(policy.engine_name, config_key=policy.engine_config_key)
     if not isinstance(engine_cls, ExportsCheckpoint):
         raise ValueError(f"engine '{policy.engine_name}' ({engine_cls.__qualname__}) cannot convert its checkpoints "
@@ -94,7 +127,7 @@ def export(plan: ExportPlan, cfg: GRPOConfig) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """Exit 0 with the model directory written, 2 with one line naming the problem and the fix."""
+    """Exit 0 with the model directory written, 2 with one line naming the problem and the fix, 130 on Ctrl-C."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -103,4 +136,7 @@ def main(argv: list[str]) -> int:
     except (ConfigError, FileNotFoundError, ValueError) as exc:  # CheckpointError is a ValueError
         logger.error("%s", exc)
         return 2
+    except KeyboardInterrupt:  # one line, as the trainer and eval: the converters publish the directory whole
+        logger.error("export stopped: interrupted; no output directory was written")
+        return 130
     return 0

@@ -46,6 +46,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--log-level", default="INFO", type=str.upper,
                         choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], help="Python logging level")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. grpo.max_steps=5")
+    # `apps/grpo --config X eval --samples 2`: main dispatches on argv[0] only, and the subcommand's options would be
+    # refused as unknown here first
+    for name in sorted(SUBCOMMANDS.keys() & set(sys.argv[1:] if argv is None else argv)):
+        parser.error(f"'{name}' is a subcommand and comes first: uv run apps/grpo {name} [its options] (see {name} -h)")
     return parser.parse_intermixed_args(argv)  # overrides may come before and after --config
 
 

@@ -25,6 +25,7 @@ from importlib.machinery import PathFinder
 from pathlib import Path
 from typing import Any, Literal
 
+from grpo_app.checkpoint import HF_DIR, STATE_FILE
 from grpo_app.config import GRPOConfig
 from grpo_app.devices import check_hardware, detect_hardware
 from grpo_app.model_check import check_model_dir
@@ -284,11 +285,18 @@ def model_dir_problem(name: str) -> str:
                     f"nothing, so a Hugging Face Hub id must be fetched first (hf download {name} --local-dir "
                     f"models/{parts[1]}), then set policy.model_name=models/{parts[1]}")
         return f"policy.model_name={name!r}: no such directory ({path.absolute()}); {fix}"
+    if (path / STATE_FILE).is_file() or (path / "checkpoints").is_dir():  # what `eval` users reach for first
+        kind = "checkpoint" if (path / STATE_FILE).is_file() else "directory"
+        hf = path / HF_DIR
+        use = (f"use its Hugging Face copy, policy.model_name={hf}" if (hf / "config.json").is_file() else
+               f"write one with `uv run apps/grpo export {name}` and set policy.model_name to the directory it names")
+        return f"policy.model_name={name!r} is a trainer's run {kind}, not a Hugging Face model directory: {use}"
     return f"policy.model_name={name!r} is not a local Hugging Face checkpoint directory (no config.json); {fix}"
 
 
-def check_environment(cfg: GRPOConfig) -> None:
-    """`env.*`: a registered environment whose constructor accepts `env.kwargs`, and prompts to train on."""
+def check_environment(cfg: GRPOConfig, *, training: bool = True) -> None:
+    """`env.*`: a registered environment whose constructor accepts `env.kwargs`, and prompts to train on (with
+    `training=False`, as `eval` runs: validation prompts only, whatever grpo.val_every says)."""
     from rollout.datasets import prompt_file_problem
     from rollout.environments import environment_factory, environment_names, toy_prompts
     from rollout.rewards.toy import TOY_TASKS
@@ -301,11 +309,15 @@ def check_environment(cfg: GRPOConfig) -> None:
         problem = None if path is None else prompt_file_problem(path)
         if problem:
             raise ConfigError(f"env.{key}={path!r}: {problem}")
-    if cfg.env.train_data is None or (cfg.env.val_data is None and cfg.grpo.val_every):
+    needs_train, needs_val = training, bool(cfg.grpo.val_every) or not training
+    if (needs_train and cfg.env.train_data is None) or (needs_val and cfg.env.val_data is None):
         if cfg.env.name not in TOY_TASKS:
-            if cfg.env.train_data is None:
+            if needs_train and cfg.env.train_data is None:
                 raise ConfigError(f"env.name={cfg.env.name!r} has no built-in prompts; set env.train_data and "
                                   "env.val_data to local prompt files (or grpo.val_every=0 for no validation)")
+            if not training:
+                raise ConfigError(f"env.name={cfg.env.name!r} has no built-in prompts to evaluate on; set "
+                                  "env.val_data to a local prompt file")
             raise ConfigError(f"env.name={cfg.env.name!r} has no built-in prompts to validate on; set env.val_data to "
                               "a local prompt file, or grpo.val_every=0 for no validation")
         check_kwargs(TOY_TASKS[cfg.env.name][0], cfg.env.prompt_kwargs, "env.prompt_kwargs",
@@ -363,8 +375,9 @@ def check_reward_function(cfg: GRPOConfig) -> None:
                           "install its package, or start the run in the directory that holds it")
 
 
-def preflight(cfg: GRPOConfig) -> GRPOConfig:
-    """Validate what the config points at; returns the config with the model path resolved."""
+def preflight(cfg: GRPOConfig, *, training: bool = True) -> GRPOConfig:
+    """Validate what the config points at; returns the config with the model path resolved. `training=False`
+    (`eval`): the prompts needed are the validation ones only."""
     check_bounds(cfg)
     check_optimizer(cfg.policy.optimizer)
     engine_cls = ENGINES.get(cfg.policy.engine_name, config_key=cfg.policy.engine_config_key)
@@ -373,7 +386,7 @@ def preflight(cfg: GRPOConfig) -> GRPOConfig:
     check_kwargs(backend_cls, cfg.generation.backend_kwargs, "generation.backend_kwargs", given=("model_path",))
     check_backend_options(backend_cls, cfg.generation.backend_kwargs)
     check_backend_installed(cfg, backend_cls)
-    check_environment(cfg)
+    check_environment(cfg, training=training)
     check_reward_function(cfg)
     cfg = resolve_model(cfg)
     check_hardware(cfg.cluster, detect_hardware())

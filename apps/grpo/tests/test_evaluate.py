@@ -83,9 +83,49 @@ def test_bad_input_exits_2_with_one_line(tmp_path, caplog):
     assert exc.value.code == 2
 
 
+def test_eval_of_a_task_without_built_in_prompts_needs_only_its_validation_file(tmp_path, capsys, caplog):
+    """`eval` scores validation prompts: env.train_data (not read) is not required, and without env.val_data the error
+    says to set it (not grpo.val_every=0, which would leave nothing to evaluate)."""
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(3)))
+    out = tmp_path / "eval.jsonl"
+    assert main([*SMALL, "env.name=math", f"env.val_data={val}", "grpo.val_every=0", "--out", str(out)]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(out.read_text().splitlines()) == 3 and "eval/accuracy" in summary
+    with caplog.at_level(logging.ERROR):
+        assert main([*SMALL, "env.name=math", "--out", str(out)]) == 2
+    assert "has no built-in prompts to evaluate on; set env.val_data" in caplog.text
+    assert "val_every" not in caplog.text
+
+
+def test_a_failure_while_generating_keeps_its_traceback(tmp_path, monkeypatch, caplog):
+    """Exit 2 with one line is for bad input; a ValueError raised inside generation (a backend bug, such as a model
+    layout the decoder mishandles) is not the user's to fix from one line, and propagates. An --out that is a
+    directory is bad input, refused before anything is generated."""
+    from rollout.torch_backend import TorchGenerationBackend
+
+    def broken(self, prompt_token_ids, params):
+        raise ValueError("not enough values to unpack (expected 3, got 2)")
+
+    monkeypatch.setattr(TorchGenerationBackend, "generate", broken)
+    with pytest.raises(ValueError, match="not enough values to unpack"):
+        main([*SMALL, "--out", str(tmp_path / "e.jsonl")])
+    with caplog.at_level(logging.ERROR):
+        assert main([*SMALL, "--out", str(tmp_path)]) == 2  # before generating: `broken` is not reached
+    assert f"--out {tmp_path} is a directory; name the JSONL file to write" in caplog.text
+
+
 def test_the_trainer_command_dispatches_eval(tmp_path, capsys):
     assert grpo_main(["eval", *SMALL, "--out", str(tmp_path / "e.jsonl")]) == 0
     assert (tmp_path / "e.jsonl").is_file()
+
+
+def test_a_subcommand_after_an_option_says_it_comes_first(capsys):
+    """`uv run apps/grpo --config X eval ...`: not 'override eval is not of the form dotted.key=value'."""
+    with pytest.raises(SystemExit) as exc:
+        grpo_main(["--config", "cpu_default", "eval", "--samples", "2"])
+    assert exc.value.code == 2
+    assert "'eval' is a subcommand and comes first: uv run apps/grpo eval" in capsys.readouterr().err
 
 
 @pytest.mark.vllm

@@ -17,11 +17,15 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 import grpo_app.export as export_module
+from grpo_app.checkpoint import CheckpointManager, run_identity
 from grpo_app.config import load_config
 from grpo_app.main import main
 from grpo_app.preflight import resolve_model
+from rl_core.checkpoint_io import atomic_dir, write_manifest
+from rl_core.config import to_dict
 from rl_core.testing.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -129,3 +133,72 @@ def test_export_refusals_exit_2_naming_the_fix(trained_run, caplog, tmp_path, mo
     code, line = _export(caplog, str(moved / "step_1"), "--config", str(run / "config.yaml"), "--out",
                          str(tmp_path / "o3"))
     assert code == 2 and "engine 'dtensor' (" in line and "NoExport) cannot convert its checkpoints offline" in line
+
+
+def _fake_run(root: Path, *overrides: str) -> Path:
+    """A run directory as the trainer leaves it (config.yaml, checkpoints/step_1 with its manifest), without
+    training: what plan_export reads before any conversion."""
+    cfg = load_config(None, ["policy.model_name=tiny:qwen2", f"logger.log_dir={root}", *overrides])
+    root.mkdir(parents=True)
+    (root / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+    def save_engine(path: str) -> None:
+        Path(path).mkdir()
+        (Path(path) / ".metadata").write_bytes(b"dcp")
+        write_manifest(Path(path))
+
+    CheckpointManager(root / "checkpoints", keep_top_k=2, metric="m", higher_is_better=True).save(
+        1, save_engine, {"step": 1, "identity": run_identity(resolve_model(cfg))})
+    return root
+
+
+def test_export_into_a_checkpoint_is_refused(tmp_path, caplog) -> None:
+    """keep-top-k deletes step_N whole, with an export inside it, and a new step_N beside the checkpoints reads as a
+    damaged one; refused before any conversion, naming the default. Beside them under another name is fine."""
+    run = _fake_run(tmp_path / "run")
+    for out in (run / "checkpoints/step_1/hf2", run / "checkpoints/step_1/policy/x", run / "checkpoints/step_7"):
+        code, line = _export(caplog, str(run / "checkpoints/step_1"), "--out", str(out))
+        assert code == 2 and "inside a checkpoint or takes a checkpoint's name" in line, line
+        assert "<log_dir>/hf/step_N" in line and not out.exists()
+    plan, _ = export_module.plan_export(run / "checkpoints/step_1", None, str(run / "checkpoints/step_1/../my-model"))
+    assert plan.out.resolve() == run / "checkpoints/my-model"
+
+
+@pytest.mark.parametrize("edit", [["policy.megatron_cfg.enabled=true"], ["policy.model_name=tiny:llama"]])
+def test_export_under_an_edited_config_is_refused_naming_the_key(tmp_path, caplog, edit) -> None:
+    """config.yaml edited after the run (or another run's): the model or engine it names is not the checkpoint's, so
+    the conversion would fail on a missing tensor or, where shapes agree, use another model's config and tokenizer."""
+    run = _fake_run(tmp_path / "run")
+    edited = tmp_path / "edited.yaml"
+    edited.write_text(yaml.safe_dump(to_dict(load_config(run / "config.yaml", edit)), sort_keys=False))
+    code, line = _export(caplog, str(run), "--config", str(edited), "--out", str(tmp_path / "out"))
+    key = "policy.engine" if "megatron" in edit[0] else "policy.model_name"
+    assert code == 2 and f"was not written under this config ({key}: checkpoint " in line, line
+    assert "--config FILE" in line and not (tmp_path / "out").exists()
+
+
+def test_interrupted_export_exits_130_and_leaves_no_output(tmp_path, caplog, monkeypatch) -> None:
+    """Ctrl-C in the middle of writing: the temporary directory is removed, one line, no traceback."""
+    run = _fake_run(tmp_path / "run")
+    out = tmp_path / "out"
+
+    def interrupted(checkpoint_dir: str, out_dir: str, *, model_dir: str) -> None:
+        with atomic_dir(out_dir, replace=False) as tmp:  # as the converters write
+            (tmp / "model.safetensors").write_bytes(b"half")
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(export_module.ENGINES.get("dtensor", config_key="k"), "checkpoint_to_hf",
+                        staticmethod(interrupted))
+    assert _export(caplog, str(run), "--out", str(out)) == (130, "export stopped: interrupted; no output directory "
+                                                                 "was written")
+    assert list(tmp_path.iterdir()) == [run]
+
+
+def test_a_relative_checkpoint_path_finds_the_run_config(tmp_path, monkeypatch) -> None:
+    """`export step_1` from checkpoints/, or `export .` from inside the checkpoint: the config two levels up and the
+    default --out <log_dir>/hf/step_1, as for the absolute path (not ./config.yaml, not <log_dir>/hf/)."""
+    run = _fake_run(tmp_path / "run")
+    for cwd, arg in ((run / "checkpoints", "step_1"), (run / "checkpoints/step_1", "."), (run, "checkpoints/step_1")):
+        monkeypatch.chdir(cwd)
+        plan, _ = export_module.plan_export(Path(arg), None, None)
+        assert (plan.checkpoint, plan.out) == (run / "checkpoints/step_1", run / "hf/step_1"), (cwd, arg)

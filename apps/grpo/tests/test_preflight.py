@@ -559,3 +559,21 @@ def test_command_line_takes_overrides_around_config_and_checks_the_log_level(cap
     with pytest.raises(SystemExit) as exit_info:  # argparse's one-line usage error, not a logging traceback
         parse_args(["--log-level", "verbose"])
     assert exit_info.value.code == 2 and "invalid choice: 'VERBOSE'" in capsys.readouterr().err
+
+
+def test_a_run_checkpoint_as_the_model_names_its_hf_copy_or_export(tmp_path):
+    """`eval policy.model_name=run/checkpoints/step_N` (or the run directory) is what a user tries first: the error
+    names the checkpoint's hf/ when it has one, else the export command, instead of 'no config.json'."""
+    step = tmp_path / "run/checkpoints/step_2"
+    (step / "policy").mkdir(parents=True)
+    (step / "trainer_state.json").write_text('{"step": 2}')
+    with pytest.raises(ConfigError, match=r"is a trainer's run checkpoint, not a Hugging Face model directory: write "
+                                          r"one with `uv run apps/grpo export .*step_2`"):
+        preflight(load_config(None, [f"policy.model_name={step}"]))
+    (step / "hf").mkdir()
+    (step / "hf/config.json").write_text("{}")
+    with pytest.raises(ConfigError, match=rf"use its Hugging Face copy, policy.model_name={step / 'hf'}$"):
+        preflight(load_config(None, [f"policy.model_name={step}"]))
+    with pytest.raises(ConfigError, match=r"is a trainer's run directory, not a Hugging Face model directory: write one "
+                                          r"with `uv run apps/grpo export"):
+        preflight(load_config(None, [f"policy.model_name={tmp_path / 'run'}"]))

@@ -4,6 +4,8 @@ transformers loads; the KL reference is the base model; FSDP2 over 2 ranks and a
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -236,23 +238,26 @@ def test_targets_by_leaf_name_or_glob_and_excludes(ckpt) -> None:
         f"{n}.{ab}.weight" for n, m in model.named_modules() if isinstance(m, LoRALinear) for ab in ("lora_A", "lora_B"))
 
 
-def _bf16(rank: int, world: int, path: str, batch) -> dict:
+def _bf16(rank: int, world: int, path: str, batch, hf_dir: str) -> dict:
     plain = DTensorEngine(make_policy(path, train_micro_batch_size=2, precision="bfloat16"))
     engine = DTensorEngine(_policy(path, precision="bfloat16"))
     out = {"plain_lp": plain.compute_logprobs(batch), "lora_lp": engine.compute_logprobs(batch),
            "dtypes": {name: p.dtype for name, p in engine.model.named_parameters()}}
     out["loss"] = engine.train_batch(batch, ClippedPGLoss())["loss"]
     out["export_dtypes"] = {name: t.dtype for name, t in engine.export_hf_weights()}
+    engine.save_hf(hf_dir)
     return out
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_bf16_keeps_the_frozen_base_in_bf16_with_the_same_results(ckpt, backend) -> None:
+def test_bf16_keeps_the_frozen_base_in_bf16_with_the_same_results(ckpt, backend, tmp_path) -> None:
     """bf16 storage of the frozen base: FSDP casts float32 weights to bf16 for every forward, so storing them in
-    bf16 computes the same bits (at half the memory); the adapters keep float32 master weights."""
+    bf16 computes the same bits (at half the memory); the adapters keep float32 master weights. The HF copy holds
+    the merged weights in bf16 and its config.json says so (the tiny base's says float32)."""
     path = ckpt(ARCH)
     batch = grpo_batch(path)
-    (out,) = run_distributed(_bf16, 1, args=(path, batch), backend=backend)
+    (out,) = run_distributed(_bf16, 1, args=(path, batch, str(tmp_path / "hf")), backend=backend)
+    assert json.loads((tmp_path / "hf/config.json").read_text())["dtype"] == "bfloat16"
     assert all(torch.equal(a, b) for a, b in zip(out["lora_lp"], out["plain_lp"]))
     assert {n for n, d in out["dtypes"].items() if d == torch.float32} == {n for n in out["dtypes"] if ".lora_" in n}
     assert set(out["dtypes"].values()) == {torch.float32, torch.bfloat16}

@@ -28,6 +28,17 @@ def test_lora_on_the_megatron_engine_points_at_the_dtensor_engine() -> None:
         parse_megatron_config({"lora_cfg": {"enabled": True}})
 
 
+def test_lora_asked_of_the_dtensor_section_on_the_megatron_engine_is_an_error() -> None:
+    """Not the generic 'unused section' warning: the run would silently train every weight instead of adapters."""
+    from engine_megatron.engine import MegatronEngine
+
+    policy = make_policy("unused", dtensor_cfg={"lora_cfg": {"enabled": True, "dim": 16}})
+    with pytest.raises(ConfigError, match=r"policy\.dtensor_cfg\.lora_cfg\.enabled=true, but the Megatron engine "
+                                          r"runs \(policy\.megatron_cfg\.enabled\).*unset policy\.megatron_cfg\.enabled"):
+        MegatronEngine.validate_config(policy)
+    MegatronEngine.validate_config(make_policy("unused", dtensor_cfg={"lora_cfg": {"enabled": False}}))
+
+
 def test_nested_sections_are_checked_against_megatron() -> None:
     with pytest.raises(ConfigError, match=r"megatron_cfg\.optimizer\.adam_beta3.*adam_beta"):
         parse_megatron_config({"optimizer": {"adam_beta3": 0.9}})

@@ -12,12 +12,14 @@ both go through one writer. The filesystem must be shared by all ranks (one node
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
 import os
 import shutil
 import warnings
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -252,6 +254,7 @@ def _write_hf_dir(out: Path, weights: Iterable[tuple[str, Tensor]], model: nn.Mo
     shard: dict[str, Tensor] = {}
     weight_map: dict[str, str] = {}
     num_bytes = num_files = 0
+    float_bytes: Counter[torch.dtype] = Counter()  # the shards' dtype, for config.json
 
     def flush() -> None:  # write the current shard and start a new one
         nonlocal shard, num_bytes, num_files
@@ -264,21 +267,33 @@ def _write_hf_dir(out: Path, weights: Iterable[tuple[str, Tensor]], model: nn.Mo
     for name, tensor in weights:
         shard[name] = tensor.cpu().contiguous()
         num_bytes += tensor.numel() * tensor.element_size()
+        if tensor.is_floating_point():
+            float_bytes[tensor.dtype] += tensor.numel() * tensor.element_size()
         if num_bytes >= max_shard_bytes:
             flush()
     if shard or not num_files:
         flush()
-    _write_index_and_config(out, weight_map, model, source_dir)
+    _write_index_and_config(out, weight_map, model, source_dir,
+                            float_bytes.most_common(1)[0][0] if float_bytes else None)
 
 
-def _write_index_and_config(tmp: Path, weight_map: dict[str, str], model: nn.Module, source_dir: str) -> None:
+def _write_index_and_config(tmp: Path, weight_map: dict[str, str], model: nn.Module, source_dir: str,
+                            dtype: torch.dtype | None) -> None:
+    """The index (several shards), config.json and the side files of `source_dir`. config.json keeps the base
+    model's declared dtype (vLLM's dtype=auto serves in it: float32 master weights of a bf16 model still serve in
+    bf16) unless the shards hold a narrower `dtype` (a LoRA run's bf16 frozen base on a float32 base config, which
+    would be served at twice the memory)."""
     shard_names = sorted(set(weight_map.values()))
     if len(shard_names) == 1:
         os.rename(tmp / shard_names[0], tmp / "model.safetensors")
     else:
         index = {"metadata": {}, "weight_map": weight_map}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    model.config.save_pretrained(tmp)
+    config = copy.deepcopy(model.config)  # the live model's own config stays as it is
+    declared = getattr(config, "dtype", None)
+    if dtype is not None and (not isinstance(declared, torch.dtype) or dtype.itemsize < declared.itemsize):
+        config.dtype = dtype
+    config.save_pretrained(tmp)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(tmp)
     for item in Path(source_dir).iterdir():  # tokenizer and other side files

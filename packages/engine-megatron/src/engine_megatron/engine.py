@@ -36,7 +36,7 @@ from engine_megatron.parallel import broadcast_from_last_stage, init_model_paral
 from engine_megatron.vocab_parallel import vocab_parallel_logprobs
 from rl_core import checkpoint_io
 from rl_core.batch import LossFn, LossInputs, StepResult, TokenBatch
-from rl_core.config import PolicyConfig
+from rl_core.config import ConfigError, PolicyConfig
 from rl_core.distributed import init_process_group
 from rl_core.interfaces import TrainingEngine
 from rl_core.metrics import all_reduce_metrics, combine_metrics
@@ -66,7 +66,15 @@ class MegatronEngine(TrainingEngine):
 
     @classmethod
     def validate_config(cls, policy: PolicyConfig) -> MegatronConfig:
-        """Check `policy.megatron_cfg` (incl. TransformerConfig keys) without building anything."""
+        """Check `policy.megatron_cfg` (incl. TransformerConfig keys) without building anything. LoRA switched on
+        in the DTensor engine's section is an error, not the warning other unused options get: this engine would
+        train every weight, another run than the one asked for (and the memory of full training)."""
+        lora = policy.dtensor_cfg.get("lora_cfg")
+        if isinstance(lora, dict) and lora.get("enabled"):
+            raise ConfigError(f"policy.dtensor_cfg.lora_cfg.enabled=true, but the Megatron engine runs "
+                              f"({policy.engine_config_key}), which has no LoRA and would train every weight: for "
+                              f"LoRA run the DTensor engine (unset {policy.engine_config_key}); to train every weight "
+                              "with Megatron, remove policy.dtensor_cfg.lora_cfg")
         return parse_megatron_config(policy.engine_options, policy.engine_options_key)
 
     @classmethod
