@@ -522,7 +522,7 @@ def test_architecture_the_megatron_engine_cannot_map_fails_before_ray(caplog, tm
 
 @pytest.mark.parametrize(("arch", "overrides", "backend_kwargs", "message"), [
     ("mistral", {"sliding_window": 8}, "decode=paged", "sliding_window=8) is not one: set generation.backend_kwargs.decode=dense"),
-    ("mistral", {"sliding_window": 8}, "device=cuda", "sliding_window=8) is not one: set generation.backend_kwargs.decode=dense"),
+    ("mixtral", {}, "decode=paged", "mixture-of-experts layers (4 experts): set generation.backend_kwargs.decode=dense"),
     ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "decode=paged",
      "rope_type='dynamic'"),
     ("gemma2", "softcapped", "decode=dense",

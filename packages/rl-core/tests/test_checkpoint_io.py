@@ -79,3 +79,25 @@ def test_changed_settings_names_each_optimizer_setting_a_resume_changes():
     saved = [{"base_lr": 0.001, "betas": (0.9, 0.999), "eps": 1e-8}, {"base_lr": 0.001, "betas": (0.9, 0.999)}]
     assert changed_settings(configured, saved) == ["base_lr 0.001 -> 0.01", "betas (0.9, 0.999) -> (0.8, 0.9)"]
     assert changed_settings(configured, configured) == []
+
+
+def test_atomic_writes_get_the_modes_of_plain_writes(tmp_path):
+    """A published directory and an atomically written file are readable as mkdir / open() under the umask would make
+    them (mkdtemp's 0700 and mkstemp's 0600 hid exported models and manifests from other users)."""
+    import os
+    import stat
+
+    previous = os.umask(0o022)
+    try:
+        with atomic_dir(tmp_path / "model") as tmp:
+            atomic_write_text(tmp / "config.json", "{}")
+        os.mkdir(tmp_path / "plain_dir")
+        (tmp_path / "plain_file").write_text("{}")
+    finally:
+        os.umask(previous)
+
+    def mode(path):
+        return stat.S_IMODE(os.stat(path).st_mode)
+
+    assert mode(tmp_path / "model") == mode(tmp_path / "plain_dir") == 0o755
+    assert mode(tmp_path / "model/config.json") == mode(tmp_path / "plain_file") == 0o644

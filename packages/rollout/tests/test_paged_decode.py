@@ -169,10 +169,22 @@ def test_paged_rejects_unsupported_models(model_cache):
         TorchGenerationBackend(str(path), decode="paged")
     with pytest.raises(ValueError, match="sliding_window=8.*decode='dense'"):
         PagedDecoder(AutoModelForCausalLM.from_pretrained(path))  # usable alone
-    for options in ({"decode": "paged"}, {"device": "cuda"}):  # auto: paged on CUDA (the device is not touched)
-        with pytest.raises(ValueError, match="sliding_window=8.*set kw.decode=dense"):
-            TorchGenerationBackend.check_model(str(path), options, prefix="kw.")
-    TorchGenerationBackend.check_model(str(path), {"device": "cpu"})  # auto: dense on the CPU
+    with pytest.raises(ValueError, match="sliding_window=8.*set kw.decode=dense"):
+        TorchGenerationBackend.check_model(str(path), {"decode": "paged"}, prefix="kw.")
+    for device in ("cpu", "cuda"):  # auto: dense where paged cannot run the model (the device is not touched)
+        TorchGenerationBackend.check_model(str(path), {"device": device})
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_paged_refuses_mixture_of_experts_and_auto_decodes_them_dense(model_cache, arch):
+    """The MoE blocks take the dense path's 3-D hidden states: on the packed paged rows they crashed in the first
+    generation (and decode=auto chose paged on every GPU run)."""
+    path = str(cached_tiny_checkpoint(arch, seed=0, cache_dir=model_cache))
+    with pytest.raises(ValueError, match="mixture-of-experts layers"):
+        TorchGenerationBackend.check_model(path, {"decode": "paged"})
+    with pytest.raises(ValueError, match="mixture-of-experts layers.*set decode=dense"):
+        TorchGenerationBackend(path, decode="paged")
+    TorchGenerationBackend.check_model(path, {"device": "cuda"})  # auto on CUDA: dense
     with pytest.raises(ValueError, match="decode='fast'.*'paged'"):
         TorchGenerationBackend(str(path), decode="fast")
 

@@ -47,11 +47,26 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def umask() -> int:
+    """This process's umask, read without changing it (os.umask sets one to read it, a race with other threads)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write `text` to `path` through a synced temporary sibling and a rename."""
+    """Write `text` to `path` through a synced temporary sibling and a rename; the file gets the mode a plain
+    open() would give (mkstemp's is 0600: a manifest or config another user could not read)."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
     try:
+        os.fchmod(fd, 0o666 & ~umask())
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
@@ -113,10 +128,12 @@ def recover_publish(final: str | os.PathLike) -> None:
 @contextlib.contextmanager
 def atomic_dir(final: str | os.PathLike, *, replace: bool = True) -> Iterator[Path]:
     """A fresh temporary sibling of `final` to fill; published as `final` on success (`replace`: see
-    `publish_dir`), removed on error."""
+    `publish_dir`), removed on error. It gets the mode a plain mkdir would give (mkdtemp's is 0700: an exported
+    model that a vLLM server run by another user could not read)."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-"))
+    os.chmod(tmp, 0o777 & ~umask())
     try:
         yield tmp
         publish_dir(tmp, final, replace=replace)

@@ -50,6 +50,10 @@ def unsupported(model: Any) -> str | None:
             or sliding is not None or not hasattr(sys.modules[type(model).__module__], "apply_rotary_pos_emb"):
         return (f"the paged decode path supports Llama-style decoders with full attention on every layer; "
                 f"{type(model).__name__} (layer types {sorted(layer_types)}, sliding_window={sliding}) is not one")
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if experts:  # its MLP step takes the dense path's 3-D hidden states, not the packed 2-D rows
+        return (f"the paged decode path runs dense MLPs; {type(model).__name__} has mixture-of-experts layers "
+                f"({experts} experts)")
     rope_type = getattr(inner.rotary_emb, "rope_type", "default")
     if rope_type in ("dynamic", "longrope"):  # frequencies from the batch's longest position, read on the host
         return (f"the paged decode path needs rotary frequencies that do not depend on the sequence length; "

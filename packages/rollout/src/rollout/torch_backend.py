@@ -71,7 +71,7 @@ class TorchGenerationBackend:
         eos_token_ids: stop tokens added to every request; default: the checkpoint's eos ids.
         attn_implementation: "rollout_sdpa" (sdpa without K/V head copies, rollout.attention) or any
             transformers implementation ("sdpa", "eager"); the dense path only.
-        decode: "auto" (paged on CUDA, dense elsewhere), "paged" or "dense".
+        decode: "auto" (paged on CUDA for the models it runs, dense elsewhere), "paged" or "dense".
         block_size: positions per KV cache block (paged).
         kv_cache_tokens: size of the paged KV cache in positions; default: enough for max_num_seqs rows of
             the longest request of each call (grown when a later call needs more).
@@ -122,7 +122,7 @@ class TorchGenerationBackend:
         )
         self.model.to(self.device).eval().requires_grad_(False)
         config = self.model.config
-        decode = _resolve_decode(decode, self.device)
+        decode = _resolve_decode(decode, self.device, self.model)
         _check_model_support(self.model, attn_implementation, decode, prefix="")
         if eos_token_ids is None:
             gen_cfg = getattr(self.model, "generation_config", None)
@@ -190,10 +190,10 @@ class TorchGenerationBackend:
         launcher calls it before it starts anything (the trainer's preflight)."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        decode = _resolve_decode(options.get("decode", "auto"), torch.device(options.get("device", "cpu")))
         with torch.device("meta"):  # eager: the module layout does not depend on the attention kernel
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path),
                                                      attn_implementation="eager")
+        decode = _resolve_decode(options.get("decode", "auto"), torch.device(options.get("device", "cpu")), model)
         _check_model_support(model, options.get("attn_implementation", DEFAULT_ATTN_IMPLEMENTATION), decode,
                              prefix=prefix)
 
@@ -398,8 +398,11 @@ class TorchGenerationBackend:
         self._sleep_level = 0
 
 
-def _resolve_decode(decode: str, device: torch.device) -> str:
-    return ("paged" if device.type == "cuda" else "dense") if decode == "auto" else decode
+def _resolve_decode(decode: str, device: torch.device, model: Any) -> str:
+    """`auto`: paged on CUDA where the paged path runs the model (paged_decoder.unsupported), else dense."""
+    if decode != "auto":
+        return decode
+    return "paged" if device.type == "cuda" and unsupported(model) is None else "dense"
 
 
 def _check_model_support(model: Any, attn_implementation: str, decode: str, *, prefix: str) -> None:
