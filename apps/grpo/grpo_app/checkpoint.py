@@ -182,28 +182,28 @@ def run_identity(cfg: Any) -> dict[str, Any]:
     policy = cfg.policy
     identity = {"policy.model_name": policy.model_name, "policy.engine": policy.engine_name,
                 "cluster.train_world_size": cfg.cluster.train_world_size, "env.name": cfg.env.name}
-    adapters = _adapter_layout(policy)
-    if adapters is not None:
-        identity[f"{policy.engine_options_key}.{ADAPTERS_KEY}"] = adapters
+    lora = _lora_settings(policy)
+    if lora is not None:
+        key = f"{policy.engine_options_key}.{ADAPTERS_KEY}"
+        identity[key] = {"dim": lora.dim, "target_modules": sorted(set(lora.target_modules)),
+                         "exclude_modules": sorted(set(lora.exclude_modules))}
+        # alpha loads into the same tensors but rescales the trained update B @ A: the resumed model would not be
+        # the checkpointed one. A change is allowed like any other (dropout is not recorded: it changes no output)
+        identity[f"{key}.alpha"] = lora.alpha
     identity.update({f"{policy.engine_options_key}.{key}": value for key, value in sorted(policy.engine_options.items())
                      if key.endswith("parallel_size")})
     return identity
 
 
-def _adapter_layout(policy: Any) -> dict[str, Any] | None:
-    """The LoRA settings that decide which tensors a checkpoint holds (None: no adapters): the rank and the
-    module patterns, from the engine's validated section (an engine whose config has a `lora_cfg`). alpha and
-    dropout are left out: any value loads, as a changed learning rate does."""
+def _lora_settings(policy: Any) -> Any | None:
+    """The engine's validated LoRA section (an engine whose config has a `lora_cfg`), None without adapters."""
     from rl_core.interfaces import ValidatesConfig
     from rl_core.registry import ENGINES
 
     engine_cls = ENGINES.get(policy.engine_name, config_key=policy.engine_config_key)
     engine_cfg = engine_cls.validate_config(policy) if isinstance(engine_cls, ValidatesConfig) else None
     lora = getattr(engine_cfg, ADAPTERS_KEY, None)
-    if lora is None or not lora.enabled:
-        return None
-    return {"dim": lora.dim, "target_modules": sorted(set(lora.target_modules)),
-            "exclude_modules": sorted(set(lora.exclude_modules))}
+    return lora if lora is not None and lora.enabled else None
 
 
 def _never_loads(key: str) -> bool:

@@ -33,6 +33,7 @@ from grpo_app.model_shapes import SHAPE_PREFIX, cached_shape_checkpoint
 from rl_core.config import (
     ConfigError,
     OptimizerConfig,
+    PolicyConfig,
     closest_key,
     to_dict,
     unknown_key_error,
@@ -328,15 +329,16 @@ def check_environment(cfg: GRPOConfig, *, training: bool = True) -> None:
             raise ConfigError(f"env.prompt_kwargs: {exc}") from exc
 
 
-def check_engine_takes_model(engine_cls: type, model_dir: str) -> None:
-    """An engine that `ChecksModel` (the Megatron engine: the architectures ckpt-convert maps) accepts the
-    checkpoint; else its worker would refuse it after Ray and every worker started."""
+def check_engine_takes_model(engine_cls: type, policy: PolicyConfig) -> None:
+    """An engine that `ChecksModel` (Megatron: the architectures ckpt-convert maps; DTensor: the decoder layers it
+    wraps, the modules LoRA adapts) accepts the checkpoint with these settings; else its worker would refuse it
+    after Ray and every worker started."""
     if not isinstance(engine_cls, ChecksModel):
         return
     try:
-        engine_cls.check_model(model_dir)
+        engine_cls.check_model(policy)
     except ValueError as exc:
-        raise ConfigError(f"policy.model_name={model_dir!r}: {exc}") from None
+        raise ConfigError(f"policy.model_name={policy.model_name!r}: {exc}") from None
 
 
 def check_backend_takes_model(backend_cls: type, cfg: GRPOConfig) -> None:
@@ -391,7 +393,7 @@ def preflight(cfg: GRPOConfig, *, training: bool = True) -> GRPOConfig:
     cfg = resolve_model(cfg)
     check_hardware(cfg.cluster, detect_hardware())
     check_model_dir(cfg.policy.model_name)
-    check_engine_takes_model(engine_cls, cfg.policy.model_name)
+    check_engine_takes_model(engine_cls, cfg.policy)
     check_backend_takes_model(backend_cls, cfg)
     if engine_cfg is not None:
         check_layout(cfg, engine_cfg)

@@ -162,13 +162,25 @@ def test_resume_under_another_engine_or_lora_adapters_is_refused_even_when_chang
 
 
 def test_lora_settings_that_load_resume():
-    """alpha and dropout scale and regularise the same tensors; the order of the module patterns means nothing."""
+    """dropout regularises the same tensors and changes no output; the order of the module patterns means nothing."""
     point = ResumePoint(Path("c"), {"identity": run_identity(
         config(f"{LORA}.enabled=true", f"{LORA}.target_modules=[q_proj,v_proj]"))})
-    resumed = config(f"{LORA}.enabled=true", f"{LORA}.target_modules=[v_proj,q_proj]", f"{LORA}.alpha=16",
-                     f"{LORA}.dropout=0.1")
+    resumed = config(f"{LORA}.enabled=true", f"{LORA}.target_modules=[v_proj,q_proj]", f"{LORA}.dropout=0.1")
     check_identity(point, run_identity(resumed), allow_change=False)
     assert run_identity(config()) == run_identity(config(f"{LORA}.enabled=false"))  # no adapters: no key
+
+
+def test_a_changed_lora_alpha_needs_allow_config_change():
+    """alpha loads into the same tensors but rescales the trained update: the resumed policy would not be the
+    checkpointed one, so it is a config change like the model's (allowed explicitly, with a warning)."""
+    point = ResumePoint(Path("c"), {"identity": run_identity(config(f"{LORA}.enabled=true"))})
+    resumed = run_identity(config(f"{LORA}.enabled=true", f"{LORA}.alpha=16"))
+    with pytest.raises(CheckpointError, match=rf"{LORA}.alpha: checkpoint 32.0, config 16.0.*allow_config_change"):
+        check_identity(point, resumed, allow_change=False)
+    check_identity(point, resumed, allow_change=True)
+    older = ResumePoint(Path("c"), {"identity": {k: v for k, v in point.state["identity"].items()
+                                                 if not k.endswith(".alpha")}})
+    check_identity(older, resumed, allow_change=False)  # checkpoints from before alpha was recorded still resume
 
 
 def test_resume_past_max_steps_is_refused(tmp_path):

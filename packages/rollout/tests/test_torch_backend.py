@@ -59,6 +59,31 @@ def test_sampled_logprobs_equal_hf_forward(tiny_ckpt, prompts, temperature, top_
     assert abs(float(metrics["gen_kl"])) <= 1e-5
 
 
+@pytest.mark.parametrize("limits", [dict(max_num_seqs=3), dict(max_batch_tokens=100)])
+def test_dense_decoding_splits_a_prompts_samples_that_exceed_the_row_limit(tiny_ckpt, prompts, hf_ref, limits):
+    """n = 5 > max_num_seqs = 3 (or more rows than max_batch_tokens holds): a prompt's samples are decoded in
+    consecutive chunks within the limit, prompt-major, each with the HF forward's logprobs (eval --samples 64 used
+    to decode all 64 rows of a prompt at once)."""
+    backend = TorchGenerationBackend(str(tiny_ckpt), decode="dense", **limits)
+    longest = max(len(p) for p in prompts[:2]) + 8
+    max_rows = limits.get("max_num_seqs") or limits["max_batch_tokens"] // longest
+    chunk_rows = []
+    decode_chunk = backend._generate_chunk
+
+    def spy(chunk, params, *args):
+        chunk_rows.append(len(chunk) * params.n)
+        return decode_chunk(chunk, params, *args)
+
+    backend._generate_chunk = spy
+    out = backend.generate(prompts[:2], SamplingParams(n=5, temperature=1.0, max_new_tokens=8, seed=1))
+    assert sum(chunk_rows) == 10 and max(chunk_rows) <= max_rows < 5, chunk_rows
+    assert [c.prompt_index for c in out] == [0] * 5 + [1] * 5
+    hf = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
+    for c in out:
+        ref = hf_ref.logprobs(hf, prompts[c.prompt_index], c.token_ids, 1.0)
+        torch.testing.assert_close(torch.tensor(c.logprobs), ref, atol=1e-5, rtol=0)
+
+
 def _filter_test_logits(vocab: int) -> torch.Tensor:
     """Rows for the filter: continuous logits, logits on a coarse grid (ties everywhere, boundaries included,
     as in bf16), one row all tied, peaked rows, huge magnitudes, rows with -inf (tokens masked upstream)."""

@@ -84,12 +84,12 @@ class MegatronEngine(TrainingEngine):
         return planning_multiple(policy, cls.validate_config(policy))
 
     @classmethod
-    def check_model(cls, model_dir: str) -> None:
-        """ValueError naming the architecture and the supported ones if ckpt-convert cannot map `model_dir`
-        (the trainer's preflight calls it before any worker starts)."""
+    def check_model(cls, policy: PolicyConfig) -> None:
+        """ValueError naming the architecture and the supported ones if ckpt-convert cannot map
+        `policy.model_name` (the trainer's preflight calls it before any worker starts)."""
         from ckpt_convert.mcore_model import load_hf_config
 
-        load_hf_config(model_dir, source="policy.model_name")
+        load_hf_config(policy.model_name, source="policy.model_name")
 
     @classmethod
     def checkpoint_to_hf(cls, checkpoint_dir: str, out_dir: str, *, model_dir: str) -> None:

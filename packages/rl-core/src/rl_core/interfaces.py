@@ -104,8 +104,9 @@ class ChecksModel(Protocol):
     """Optional for engine classes: refuse a checkpoint the engine cannot train before any worker starts."""
 
     @classmethod
-    def check_model(cls, model_dir: str) -> None:
-        """Raise ValueError naming the architecture and the supported ones if `model_dir` is not one."""
+    def check_model(cls, policy: Any) -> None:
+        """Raise ValueError if the engine cannot train `policy.model_name` (a local HF directory) with the settings
+        of `policy` (e.g. an architecture it does not map, adapters on modules the model lacks), naming the fix."""
 
 
 @runtime_checkable

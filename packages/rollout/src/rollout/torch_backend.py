@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Literal, NoReturn, get_args
 
 import torch
@@ -212,12 +213,13 @@ class TorchGenerationBackend:
                                 dtype=torch.long, device=self.device)
         generator = make_generator(params.seed, self.device)
         completions: list[Completion] = []
-        for start, stop in self._chunks(prompts, params):
-            tokens, logprobs, lengths, stopped = self._generate_chunk(prompts[start:stop], params, stop_ids, generator)
+        for start, stop, n in self._chunks(prompts, params):
+            tokens, logprobs, lengths, stopped = self._generate_chunk(
+                prompts[start:stop], replace(params, n=n), stop_ids, generator)
             tokens_l, logprobs_l = tokens.tolist(), logprobs.tolist()
             for row, (length, was_stopped) in enumerate(zip(lengths.tolist(), stopped.tolist())):
                 completions.append(Completion(
-                    prompt_index=start + row // params.n,
+                    prompt_index=start + row // n,
                     token_ids=tokens_l[row][:length],
                     logprobs=logprobs_l[row][:length],
                     finish_reason="stop" if was_stopped else "length",
@@ -254,14 +256,20 @@ class TorchGenerationBackend:
             )
         return ids
 
-    def _chunks(self, prompts: list[list[int]], params: SamplingParams) -> Iterable[tuple[int, int]]:
-        """Ranges of whole prompts whose rows (prompts x n) fit max_num_seqs / max_batch_tokens."""
-        per_chunk = max(1, self.max_num_seqs // params.n)
+    def _chunks(self, prompts: list[list[int]], params: SamplingParams) -> Iterable[tuple[int, int, int]]:
+        """(start, stop, samples): ranges of prompts and how many samples of each to decode together, so that the
+        rows (prompts x samples) fit max_num_seqs / max_batch_tokens. A prompt whose n alone exceeds them is decoded
+        alone, its samples in consecutive chunks (completions stay prompt-major)."""
+        longest = max(len(p) for p in prompts) + params.max_new_tokens
+        rows = self.max_num_seqs
         if self.max_batch_tokens is not None:
-            longest = max(len(p) for p in prompts) + params.max_new_tokens
-            per_chunk = min(per_chunk, max(1, self.max_batch_tokens // (longest * params.n)))
+            rows = min(rows, max(1, self.max_batch_tokens // longest))
+        samples = min(params.n, rows)
+        per_chunk = max(1, rows // params.n)
         for start in range(0, len(prompts), per_chunk):
-            yield start, min(start + per_chunk, len(prompts))
+            stop = min(start + per_chunk, len(prompts))
+            for done in range(0, params.n, samples):
+                yield start, stop, min(samples, params.n - done)
 
     @torch.inference_mode()
     def _generate_chunk(
