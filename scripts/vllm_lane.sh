@@ -38,5 +38,5 @@ export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export TOKENIZERS_PARALLELISM=false
 exec "$PY" -m pytest -m vllm packages/rollout apps/grpo/tests/test_vllm_in_policy.py apps/grpo/tests/test_evaluate.py \
-  tests/test_grpo_e2e.py \
+  tests/test_grpo_e2e.py packages/engine-dtensor/tests/test_lora_vllm.py \
   -q -p no:cacheprovider "$@"

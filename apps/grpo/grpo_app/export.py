@@ -5,7 +5,8 @@ PATH is a run directory (its newest intact checkpoint) or one `step_N` checkpoin
 converts its own checkpoint offline (rl_core.interfaces.ExportsCheckpoint): one CPU process, no Ray, no
 process group, weights only. Owns finding the checkpoint and the config and the default output directory;
 not the conversion. The output goes beside the checkpoints (`<log_dir>/hf/step_N`), never into a checkpoint,
-whose manifest covers every file in it.
+whose manifest covers every file in it. It is what the run's own `hf/` copy would be: for a LoRA checkpoint the
+merged weights and, in `adapter/`, the adapter alone in PEFT format (the engine's converter writes both).
 """
 
 from __future__ import annotations

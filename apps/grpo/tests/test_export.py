@@ -7,6 +7,7 @@ checkpoint (`load_checkpoint`, its resume path) and streams `export_hf_weights` 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -24,7 +25,7 @@ from grpo_app.checkpoint import CheckpointManager, run_identity
 from grpo_app.config import load_config
 from grpo_app.main import main
 from grpo_app.preflight import resolve_model
-from rl_core.checkpoint_io import atomic_dir, write_manifest
+from rl_core.checkpoint_io import MANIFEST_FILE, atomic_dir, verify_manifest, write_manifest
 from rl_core.config import to_dict
 from rl_core.testing.distributed import run_distributed
 
@@ -33,7 +34,8 @@ RUN = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "poli
        "policy.train_micro_batch_size=8", "grpo.num_val_prompts=8", "generation.max_new_tokens=8",
        "logger.tensorboard=false", "logger.progress_bar=false", "logger.plot=false", "grpo.max_steps=1",
        "grpo.val_every=0"]
-ENGINE_OVERRIDES = {"dtensor": [], "megatron": ["policy.megatron_cfg.enabled=true"]}
+ENGINE_OVERRIDES = {"dtensor": [], "megatron": ["policy.megatron_cfg.enabled=true"],
+                    "dtensor-lora": ["policy.dtensor_cfg.lora_cfg.enabled=true"]}
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +98,29 @@ def test_export_of_a_run_is_the_checkpointed_policy(trained_run, caplog, engine:
     one = run / "one"  # one checkpoint directory as PATH, with an explicit --out
     assert _export(caplog, str(run / "checkpoints/step_1"), "--out", str(one)) == (0, "")
     assert load_file(str(one / "model.safetensors")).keys() == exported.keys()
+
+
+@pytest.mark.distributed
+def test_export_of_a_lora_run_writes_the_adapter_its_checkpoint_holds(trained_run, caplog) -> None:
+    """A LoRA run's checkpoint holds, inside its manifested `hf/`, the adapter in PEFT format; the offline export
+    writes the same adapter, tensor for tensor, beside the same merged weights."""
+    from safetensors.torch import load_file
+
+    run = trained_run("dtensor-lora")
+    checkpoint = run / "checkpoints/step_1"
+    verify_manifest(checkpoint)  # the trainer's manifest covers hf/'s, which lists the adapter's files
+    assert "hf/MANIFEST.json" in json.loads((checkpoint / MANIFEST_FILE).read_text())["files"]
+    listed = json.loads((checkpoint / "hf" / MANIFEST_FILE).read_text())["files"]
+    assert {"adapter/adapter_config.json", "adapter/adapter_model.safetensors"} <= listed.keys()
+
+    assert _export(caplog, str(run)) == (0, "")
+    live, out = checkpoint / "hf", run / "hf/step_1"
+    for name in ("adapter/adapter_model.safetensors", "model.safetensors"):
+        exported, saved = load_file(str(out / name)), load_file(str(live / name))
+        assert exported.keys() == saved.keys() and all(torch.equal(exported[k], saved[k]) for k in saved)
+    adapter = load_file(str(out / "adapter/adapter_model.safetensors"))
+    assert any(torch.count_nonzero(t) for k, t in adapter.items() if k.endswith(".lora_B.weight"))  # B trained
+    assert (out / "adapter/adapter_config.json").read_text() == (live / "adapter/adapter_config.json").read_text()
 
 
 @pytest.mark.distributed

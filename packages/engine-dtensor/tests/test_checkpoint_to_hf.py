@@ -1,5 +1,6 @@
 """`DTensorEngine.checkpoint_to_hf`: a checkpoint becomes, offline, the HF directory the live engine's save_hf
-writes (every tensor equal, the same logits), for FSDP and TP layouts, tied, untied and MoE models; refusals."""
+writes (every tensor equal, the same logits; with LoRA the same PEFT adapter too), for FSDP and TP layouts, tied,
+untied and MoE models; refusals."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine_dtensor.checkpoint import ADAPTER_DIR
 from engine_dtensor.engine import DTensorEngine
 from engine_dtensor.testing import grpo_batch, make_policy, max_abs_diff
-from rl_core.checkpoint_io import CheckpointError
+from rl_core.checkpoint_io import MANIFEST_FILE, CheckpointError, verify_manifest
 from rl_core.losses import ClippedPGLoss
 from rl_core.testing.distributed import run_distributed
 from rl_core.testing.tiny_models import cached_tiny_checkpoint
@@ -76,6 +78,7 @@ def test_offline_export_equals_live_save_hf(tmp_path, arch: str, overrides: dict
     assert sorted(exported) == sorted(_safetensors(Path(path)))  # on-disk HF names (MoE: per expert again)
     assert json.loads((offline / "config.json").read_text()) == json.loads((live / "config.json").read_text())
     assert (offline / "tokenizer.json").exists()
+    _assert_same_adapter(live, offline, lora="lora_cfg" in dtensor_cfg)
 
     loaded = _logprobs(offline, batch.input_ids)
     # the engine's trained model; layout rounding only (LoRA: and W x + s B A x computed as (W + s B A) x)
@@ -83,6 +86,25 @@ def test_offline_export_equals_live_save_hf(tmp_path, arch: str, overrides: dict
     for lp, engine_lp in zip(loaded, engine_logprobs):
         assert (lp - engine_lp[1:]).abs().max() <= tolerance
     assert max_abs_diff(loaded, _logprobs(path, batch.input_ids)) > 1e-4  # training changed the weights
+
+
+def _assert_same_adapter(live: Path, offline: Path, *, lora: bool) -> None:
+    """A LoRA run's PEFT adapter (the FSDP shards gathered live, the checkpoint's offline): the same file contents,
+    every tensor equal, inside the HF directory's manifest; none without LoRA."""
+    if not lora:
+        assert not (live / ADAPTER_DIR).exists() and not (offline / ADAPTER_DIR).exists()
+        return
+    live_adapter, offline_adapter = _safetensors(live / ADAPTER_DIR), _safetensors(offline / ADAPTER_DIR)
+    assert offline_adapter.keys() == live_adapter.keys()
+    assert len(live_adapter) == 2 * 2 * 4  # A and B of q, k, v, o in 2 layers
+    assert all(torch.equal(offline_adapter[k], live_adapter[k]) for k in live_adapter)
+    assert any(k.endswith(".lora_B.weight") and torch.count_nonzero(t) for k, t in live_adapter.items())  # trained
+    config = (live / ADAPTER_DIR / "adapter_config.json").read_text()
+    assert (offline / ADAPTER_DIR / "adapter_config.json").read_text() == config
+    for directory in (live, offline):  # the adapter is part of the atomic, manifested HF directory
+        verify_manifest(directory)
+        listed = json.loads((directory / MANIFEST_FILE).read_text())["files"]
+        assert {f"{ADAPTER_DIR}/adapter_model.safetensors", f"{ADAPTER_DIR}/adapter_config.json"} <= listed.keys()
 
 
 def _save_checkpoint(rank: int, world: int, path: str, ckpt_dir: str) -> None:

@@ -1,6 +1,7 @@
 """LoRA (`policy.dtensor_cfg.lora_cfg`) against independent computations: at initialisation the model is the
 base model; training moves the adapters only; the export is the float64 merge W + alpha/dim * B @ A that plain
-transformers loads; the KL reference is the base model; FSDP2 over 2 ranks and a resume change nothing."""
+transformers loads, and the PEFT-format adapter that peft loads onto the base model computes it; the KL reference is
+the base model; FSDP2 over 2 ranks and a resume change nothing."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from engine_dtensor.config import DTensorConfig, LoRAConfig
 from engine_dtensor.engine import DTensorEngine
 from engine_dtensor.loading import build_meta_model
-from engine_dtensor.lora import LoRALinear, apply_lora, full_tensor
+from engine_dtensor.lora import LoRALinear, apply_lora, full_tensor, peft_adapter_config
 from engine_dtensor.parallelize import hf_name
 from engine_dtensor.testing import (
     assert_layout_close,
@@ -132,6 +133,56 @@ def test_export_is_the_float64_merge_and_loads_in_plain_transformers(trained) ->
     diff = max_abs_diff(hf, trained["trained_lp"])
     print(f"save_hf -> from_pretrained vs the LoRA engine: max|dlogprob| = {diff:.1e}")
     assert diff <= 1e-5
+
+
+def test_peft_loads_the_adapter_onto_the_base_model_as_the_merged_copy(trained) -> None:
+    """The PEFT-format adapter save_hf writes beside the merged weights: the engine's own A and B (float32, under
+    peft's key names), and peft, a LoRA implementation of its own, computes with it on the base model the logits of
+    the merged copy in plain transformers."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    adapter_dir = f"{trained['hf_dir']}/adapter"
+    saved = load_file(f"{adapter_dir}/adapter_model.safetensors")
+    expected = {f"base_model.model.{weight.removesuffix('.weight')}.lora_{ab}.weight": t
+                for weight, (_, a, b, _) in trained["adapters"].items() for ab, t in (("A", a), ("B", b))}
+    assert saved.keys() == expected.keys() and all(torch.equal(saved[k], expected[k]) for k in expected)
+
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(trained["path"], dtype=torch.float32),
+                                           adapter_dir).eval()
+    assert len({name for name, _ in peft_model.named_parameters() if ".lora_A." in name}) == len(trained["adapters"])
+    merged = AutoModelForCausalLM.from_pretrained(trained["hf_dir"], dtype=torch.float32).eval()
+    with torch.no_grad():
+        ids = [seq[None] for seq in trained["batch"].input_ids]
+        adapted = [peft_model(input_ids=x).logits for x in ids]
+        with peft_model.disable_adapter():
+            base = [peft_model(input_ids=x).logits for x in ids]
+        reference = [merged(input_ids=x).logits for x in ids]
+    diff = max_abs_diff(adapted, reference)
+    print(f"peft (base + adapter) vs the merged HF copy: max|dlogit| = {diff:.1e}")
+    assert diff <= 1e-5  # W x + s B A x against (W + s B A) x: rounding only
+    assert max_abs_diff(adapted, base) > 1e-3  # the adapter does change the model
+
+
+@pytest.mark.parametrize(("lora", "expected"), [
+    ({}, ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]),
+    ({"target_modules": ["*.self_attn.*"], "exclude_modules": ["o_proj"]}, ["k_proj", "q_proj", "v_proj"]),
+    ({"target_modules": ["q_proj"], "exclude_modules": ["model.layers.0.*"]}, ["model.layers.1.self_attn.q_proj"]),
+], ids=["every-linear", "glob", "one-layer-spared"])
+def test_peft_target_modules_select_exactly_the_adapted_modules(ckpt, lora: dict, expected: list[str]) -> None:
+    """adapter_config.json's target_modules, matched by peft itself on the base model, adapt the modules the engine
+    adapted: leaf names where they name no other module, full names where a layer was spared."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    cfg = LoRAConfig(enabled=True, **lora)
+    model = build_meta_model(ckpt(ARCH), "sdpa")
+    apply_lora(model, cfg, frozen_dtype=torch.float32)
+    config = peft_adapter_config(model, cfg, ckpt(ARCH))
+    assert config["target_modules"] == expected
+    base = inject_adapter_in_model(LoraConfig(**config), build_meta_model(ckpt(ARCH), "sdpa"))
+    assert (sorted(name for name, module in base.named_modules() if hasattr(module, "lora_A"))
+            == sorted(name for name, module in model.named_modules() if isinstance(module, LoRALinear)))
 
 
 def test_reference_is_the_base_model_after_training(trained) -> None:

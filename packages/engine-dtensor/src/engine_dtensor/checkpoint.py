@@ -5,9 +5,11 @@ scheduler and per-rank RNG state (tensors and plain values: loaded with weights_
 `<path>.tmp`, listed in a checksum manifest and renamed into place, so that a crash never leaves a
 half-written `<path>` and a damaged one is refused before DCP unpickles its `.metadata`; on load the
 optimizer settings (lr, weight decay, betas, ...) stay the configured ones, as in the Megatron engine; streaming
-export of full HF-named tensors (one all-gather at a time); `save_hf` (safetensors shards + config + tokenizer files) that `AutoModelForCausalLM.from_pretrained`
-loads, and `checkpoint_to_hf`, the same directory from a checkpoint offline (one process, no process group):
-both go through one writer. The filesystem must be shared by all ranks (one node, or a network filesystem).
+export of full HF-named tensors (one all-gather at a time); `save_hf` (safetensors shards + config + tokenizer
+files) that `AutoModelForCausalLM.from_pretrained` loads, and `checkpoint_to_hf`, the same directory from a
+checkpoint offline (one process, no process group): both go through one writer, and a LoRA run's adapters alone in
+PEFT format (`ADAPTER_DIR`) through one other. The filesystem must be shared by all ranks (one node, or a network
+filesystem).
 """
 
 from __future__ import annotations
@@ -40,6 +42,12 @@ from rl_core.config import parse_config
 logger = logging.getLogger(__name__)
 
 LORA_FILE = "lora.json"  # the LoRA settings of a checkpoint of a LoRA run
+# The adapters alone in PEFT format, inside the HF directory of a LoRA run: written with it by the same atomic commit
+# and covered by its manifest (and the trainer's), so the merged model and its adapter never come from different
+# steps. Weight loaders (transformers, vLLM, loading.py) read the top level only, so the merged model still loads
+# as it is; the adapter applies to the base model (its adapter_config.json names it), not to the merged weights.
+ADAPTER_DIR = "adapter"
+PEFT_PREFIX = "base_model.model."  # peft's key of the wrapped *ForCausalLM in adapter_model.safetensors
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
 
 
@@ -177,31 +185,45 @@ def export_hf_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
     return _hf_tensors(model, gather)
 
 
-def save_hf(path: str, model: nn.Module, source_dir: str, max_shard_bytes: int = 2 << 30) -> None:
-    """Safetensors shards + config (+ tokenizer files copied from `source_dir`) at `path`, atomically."""
+def save_hf(path: str, model: nn.Module, source_dir: str, lora_cfg: LoRAConfig | None = None,
+            max_shard_bytes: int = 2 << 30) -> None:
+    """Safetensors shards + config (+ tokenizer files copied from `source_dir`) at `path`, atomically; with LoRA
+    (`lora_cfg`) the merged weights, and the adapters alone in PEFT format in `path/ADAPTER_DIR`."""
     tmp = _prepare_tmp(path)
-    weights = export_hf_weights(model)  # all ranks gather; rank 0 writes
-    if _rank() == 0:
-        _write_hf_dir(tmp, weights, model, source_dir, max_shard_bytes)
-    else:
-        for _ in weights:
-            pass
+    # all ranks gather (each tensor is a collective under FSDP); rank 0 writes
+    _write_on_rank0(export_hf_weights(model), lambda weights: _write_hf_dir(tmp, weights, model, source_dir,
+                                                                            max_shard_bytes))
+    if lora_cfg is not None:
+        config = lora.peft_adapter_config(model, lora_cfg, source_dir)
+        _write_on_rank0(lora.adapter_tensors(model), lambda tensors: _write_adapter_dir(tmp, tensors, config))
     _commit(tmp, path)
     logger.info("saved HF checkpoint %s", path)
+
+
+def _write_on_rank0(stream: Iterable[tuple[str, Tensor]],
+                    write: Callable[[Iterable[tuple[str, Tensor]]], None]) -> None:
+    """`write(stream)` on rank 0; the other ranks consume the stream (its all-gathers) and write nothing."""
+    if _rank() == 0:
+        write(stream)
+    else:
+        for _ in stream:
+            pass
 
 
 def checkpoint_to_hf(checkpoint_dir: str, out_dir: str, *, model_dir: str, max_shard_bytes: int = 2 << 30) -> None:
     """The model weights of a `save_checkpoint` directory (any FSDP/TP layout) as an HF model directory at
     `out_dir`, which must not exist; offline: one process, no process group, CPU, the optimizer never read.
-    `model_dir` (the run's policy.model_name) gives the architecture, config and tokenizer files."""
+    `model_dir` (the run's policy.model_name) gives the architecture, config and tokenizer files. A LoRA checkpoint
+    gives what the live `save_hf` writes: the merged weights and the adapters in PEFT format (`ADAPTER_DIR`)."""
     if Path(out_dir).exists():
         raise ValueError(f"{out_dir} already exists; remove it or choose another output directory")
     _verify_checkpoint(checkpoint_dir)
     model = build_meta_model(model_dir, "eager")  # names, order, ties and MoE layout; no storage
     lora_file = Path(checkpoint_dir) / LORA_FILE
+    lora_cfg = None
     if lora_file.is_file():  # the adapters the run trained, on the modules it put them on
-        lora.apply_lora(model, parse_config(LoRAConfig, json.loads(lora_file.read_text()), "lora.json"),
-                        frozen_dtype=torch.float32)
+        lora_cfg = parse_config(LoRAConfig, json.loads(lora_file.read_text()), "lora.json")
+        lora.apply_lora(model, lora_cfg, frozen_dtype=torch.float32)
     adapters = lora.adapter_names(model)
     full = _load_model_tensors(checkpoint_dir, model, model_dir,
                                [name for a, b, _ in adapters.values() for name in (a, b)])
@@ -213,6 +235,9 @@ def checkpoint_to_hf(checkpoint_dir: str, out_dir: str, *, model_dir: str, max_s
         return lora.merge(full.pop(name), full.pop(a), full.pop(b), scaling)
 
     with checkpoint_io.atomic_dir(out_dir, replace=False) as tmp:
+        if lora_cfg is not None:  # before the merge pops A and B
+            _write_adapter_dir(tmp, ((name, full[name]) for a, b, _ in adapters.values() for name in (a, b)),
+                               lora.peft_adapter_config(model, lora_cfg, model_dir))
         _write_hf_dir(tmp, _hf_tensors(model, take), model, model_dir, max_shard_bytes)
         checkpoint_io.write_manifest(tmp)  # as save_hf's directories have one
     logger.info("exported %s to HF checkpoint %s", checkpoint_dir, out_dir)
@@ -275,6 +300,20 @@ def _write_hf_dir(out: Path, weights: Iterable[tuple[str, Tensor]], model: nn.Mo
         flush()
     _write_index_and_config(out, weight_map, model, source_dir,
                             float_bytes.most_common(1)[0][0] if float_bytes else None)
+
+
+def _write_adapter_dir(out: Path, tensors: Iterable[tuple[str, Tensor]], config: dict[str, object]) -> None:
+    """`out/ADAPTER_DIR` in PEFT format, the one writer of `save_hf` and `checkpoint_to_hf`: adapter_config.json and
+    adapter_model.safetensors, `base_model.model.<module>.lora_A.weight` (r, in) and `.lora_B.weight` (out, r) in
+    float32, the trained master weights as they are (~80 MB for 7B at rank 8; peft computes adapters in float32
+    too, vLLM casts them to the dtype it serves in)."""
+    from safetensors.torch import save_file
+
+    adapter_dir = out / ADAPTER_DIR
+    adapter_dir.mkdir()
+    state = {PEFT_PREFIX + name: tensor.cpu().contiguous() for name, tensor in tensors}
+    save_file(state, str(adapter_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (adapter_dir / "adapter_config.json").write_text(json.dumps(config, indent=2))
 
 
 def _write_index_and_config(tmp: Path, weight_map: dict[str, str], model: nn.Module, source_dir: str,

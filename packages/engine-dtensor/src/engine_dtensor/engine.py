@@ -24,7 +24,7 @@ from torch.distributed.fsdp import FSDPModule
 import seqpack
 from engine_dtensor import checkpoint, lora
 from engine_dtensor.attention import SEGMENT_SDPA
-from engine_dtensor.config import DTensorConfig
+from engine_dtensor.config import DTensorConfig, LoRAConfig
 from engine_dtensor.forward import ModelInputs, build_packed_inputs, build_padded_inputs, forward_logprobs
 from engine_dtensor.loading import attention_softcap, build_meta_model, materialize
 from engine_dtensor.optim import build_optimizer, build_scheduler, clip_grads_
@@ -93,7 +93,8 @@ class DTensorEngine(TrainingEngine):
     @classmethod
     def checkpoint_to_hf(cls, checkpoint_dir: str, out_dir: str, *, model_dir: str) -> None:
         """An HF model directory from a `save_checkpoint` directory, offline (one CPU process, weights only),
-        so that exporting needs no restart of the engine on the training layout."""
+        so that exporting needs no restart of the engine on the training layout; for a LoRA checkpoint what
+        save_hf writes: the merged weights and the adapter in PEFT format."""
         checkpoint.checkpoint_to_hf(checkpoint_dir, out_dir, model_dir=model_dir)
 
     def __init__(self, policy: PolicyConfig) -> None:
@@ -256,12 +257,15 @@ class DTensorEngine(TrainingEngine):
         return checkpoint.export_hf_weights(self.model)
 
     def save_hf(self, path: str) -> None:
-        """A Hugging Face checkpoint (safetensors + config + tokenizer files) at `path`."""
-        checkpoint.save_hf(path, self.model, self.policy.model_name)
+        """A Hugging Face checkpoint (safetensors + config + tokenizer files) at `path`; with LoRA the merged
+        weights, and the adapters alone in PEFT format in `path/adapter` (checkpoint.ADAPTER_DIR)."""
+        checkpoint.save_hf(path, self.model, self.policy.model_name, self._lora_cfg())
 
     def save_checkpoint(self, path: str) -> None:
-        checkpoint.save_checkpoint(path, self.model, self.optimizer, self.scheduler,
-                                   self.cfg.lora_cfg if self.cfg.lora_cfg.enabled else None)
+        checkpoint.save_checkpoint(path, self.model, self.optimizer, self.scheduler, self._lora_cfg())
+
+    def _lora_cfg(self) -> LoRAConfig | None:
+        return self.cfg.lora_cfg if self.cfg.lora_cfg.enabled else None
 
     def load_checkpoint(self, path: str) -> None:
         checkpoint.load_checkpoint(path, self.model, self.optimizer, self.scheduler)

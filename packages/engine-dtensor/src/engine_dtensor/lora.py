@@ -4,7 +4,8 @@ Owns `LoRALinear` (y = base(x) + alpha/dim * B(A(dropout(x))), A kaiming-uniform
 model is the base model exactly), `apply_lora` (injection into the decoder layers on the meta device, before
 parallelize.py wraps anything, and freezing of every base parameter), the adapters' own initialisation after the
 base weights are loaded, switching the adapters off (the KL reference is the base model) and the merged weight
-W + alpha/dim * B @ A that export sends under the base weight's HF name. The base weight keeps its name under
+W + alpha/dim * B @ A that export sends under the base weight's HF name, and the adapters alone with peft's
+adapter_config.json (the PEFT format: peft and vLLM load it on the base model). The base weight keeps its name under
 `<module>.base_layer.` (peft's spelling), which `parallelize.hf_name` drops. Does not own sharding (FSDP2 shards
 adapters and frozen weights in the same per-layer unit) nor checkpoint files (checkpoint.py).
 """
@@ -159,21 +160,50 @@ def is_adapter_param(name: str) -> bool:
     return any(f"{adapter}." in name for adapter in ADAPTER_NAMES)
 
 
+def adapters_by_module(model: nn.Module) -> dict[str, LoRALinear]:
+    """HF name of each adapted module (`model.layers.0.self_attn.q_proj`: the name peft and vLLM give it) -> its
+    LoRALinear; its base weight is `<name>.weight`, its adapters `<name>.lora_A.weight` and `<name>.lora_B.weight`."""
+    return {hf_name(name): module for name, module in model.named_modules() if isinstance(module, LoRALinear)}
+
+
 def adapter_names(model: nn.Module) -> dict[str, tuple[str, str, float]]:
     """HF name of each adapted base weight -> (HF-style names of its A and B, scaling): what an offline reader of a
     checkpoint merges (checkpoint.checkpoint_to_hf)."""
-    return {weight: (hf_name(f"{name}.lora_A.weight"), hf_name(f"{name}.lora_B.weight"), module.scaling)
-            for weight, (name, module) in _adapted(model).items()}
+    return {f"{name}.weight": (f"{name}.lora_A.weight", f"{name}.lora_B.weight", module.scaling)
+            for name, module in adapters_by_module(model).items()}
 
 
 def adapters_by_weight(model: nn.Module) -> dict[str, LoRALinear]:
     """HF name of each adapted base weight -> its LoRALinear (export merges the adapter into that weight)."""
-    return {weight: module for weight, (_, module) in _adapted(model).items()}
+    return {f"{name}.weight": module for name, module in adapters_by_module(model).items()}
 
 
-def _adapted(model: nn.Module) -> dict[str, tuple[str, LoRALinear]]:
-    return {hf_name(f"{name}.base_layer.weight"): (name, module) for name, module in model.named_modules()
-            if isinstance(module, LoRALinear)}
+def adapter_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """(HF-style name, full tensor) of every adapter's A and B, float32 as trained, one all-gather at a time under
+    FSDP: every rank must consume it."""
+    for name, module in adapters_by_module(model).items():
+        for adapter in ADAPTER_NAMES:
+            yield f"{name}.{adapter}.weight", full_tensor(getattr(module, adapter).weight)
+
+
+def peft_adapter_config(model: nn.Module, cfg: LoRAConfig, base_model: str) -> dict[str, object]:
+    """adapter_config.json of the model's adapters: fields of peft's LoraConfig (those vLLM reads among them) that
+    describe y = W x + lora_alpha/r * B A x (no rsLoRA, DoRA or adapter bias; `base_model`'s biases stay in it).
+    peft fills its other fields with their defaults."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+            "r": cfg.dim, "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout, "use_rslora": False,
+            "use_dora": False, "bias": "none", "fan_in_fan_out": False, "modules_to_save": None,
+            "target_modules": peft_target_modules(model), "inference_mode": True}
+
+
+def peft_target_modules(model: nn.Module) -> list[str]:
+    """The adapted modules in peft's spelling: their leaf names (`q_proj`), as users write them, when those select
+    no other module of the model; else every adapted module's full name (an exclude_modules glob that spares some
+    layers: peft matches a full name exactly, and a leaf name in every layer)."""
+    adapted = sorted(adapters_by_module(model))
+    leaves = sorted({name.rsplit(".", 1)[-1] for name in adapted})
+    others = {hf_name(name) for name, _ in model.named_modules()} - set(adapted)
+    return adapted if any(name.rsplit(".", 1)[-1] in leaves for name in others) else leaves
 
 
 @contextlib.contextmanager
