@@ -6,6 +6,8 @@ the base model; FSDP2 over 2 ranks and a resume change nothing."""
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -274,9 +276,19 @@ def _build(rank: int, world: int, path: str, lora: dict) -> None:
     DTensorEngine(_policy(path, lora))
 
 
-def test_unknown_target_lists_the_leaf_names(ckpt) -> None:
-    with pytest.raises(RuntimeError, match=r"target_modules: \['qproj'\] match no nn.Linear.*'q_proj'"):
-        run_distributed(_build, 1, args=(ckpt(ARCH), {**LORA, "target_modules": ["q_proj", "qproj"]}))
+def test_unknown_target_lists_the_leaf_names(ckpt, tmp_path) -> None:
+    """In the engine, and before any worker in `check_model` (the trainer's preflight), from config.json alone."""
+    typo = {**LORA, "target_modules": ["q_proj", "qproj"]}
+    message = r"target_modules: \['qproj'\] match no nn.Linear.*'q_proj'"
+    with pytest.raises(RuntimeError, match=message):
+        run_distributed(_build, 1, args=(ckpt(ARCH), typo))
+    no_weights = tmp_path  # config.json only
+    shutil.copy(Path(ckpt(ARCH)) / "config.json", no_weights)
+    with pytest.raises(ValueError, match=message):
+        DTensorEngine.check_model(_policy(str(no_weights), typo))
+    DTensorEngine.check_model(_policy(str(no_weights), {**LORA, "exclude_modules": ["*.mlp.*"]}))
+    with pytest.raises(ValueError, match=r"exclude_modules: \['gate'\] match no nn.Linear"):
+        DTensorEngine.check_model(_policy(str(no_weights), {**LORA, "exclude_modules": ["gate"]}))
 
 
 def test_targets_by_leaf_name_or_glob_and_excludes(ckpt) -> None:

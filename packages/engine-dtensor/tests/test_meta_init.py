@@ -125,3 +125,14 @@ def test_buffer_owning_embedding_keeps_its_loaded_weights(tmp_path) -> None:
     materialize(model, str(tmp_path), torch.device("cpu"))
     _assert_bitwise({n: t for n, t in [*model.named_parameters(), *model.named_buffers()]},
                     _plain_state(str(tmp_path)))
+
+
+def test_check_model_refuses_a_model_without_decoder_layers_from_its_config(tmp_path):
+    """GPT-2 keeps its blocks in `transformer.h`: the engine cannot wrap them, and says so from config.json (the
+    trainer's preflight) instead of after the workers loaded it."""
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel has no `model.layers` ModuleList.*Llama, Qwen2"):
+        DTensorEngine.check_model(make_policy(str(tmp_path)))
+    DTensorEngine.check_model(make_policy(str(save_tiny_checkpoint(tmp_path / "qwen2", "qwen2"))))

@@ -29,7 +29,7 @@ from engine_dtensor.forward import ModelInputs, build_packed_inputs, build_padde
 from engine_dtensor.loading import attention_softcap, build_meta_model, materialize
 from engine_dtensor.optim import build_optimizer, build_scheduler, clip_grads_
 from engine_dtensor.parallel_dims import ParallelDims
-from engine_dtensor.parallelize import parallelize
+from engine_dtensor.parallelize import decoder_layers, parallelize
 from rl_core.batch import LossFn, LossInputs, StepResult, TokenBatch
 from rl_core.config import PolicyConfig, micro_batch_limits
 from rl_core.distributed import init_process_group
@@ -89,6 +89,20 @@ class DTensorEngine(TrainingEngine):
     def sequence_multiple(cls, policy: PolicyConfig) -> int:
         """The multiple this engine pads sequences to (TP under sequence parallel), without building it."""
         return cls.validate_config(policy).seq_multiple
+
+    @classmethod
+    def check_model(cls, policy: PolicyConfig) -> None:
+        """ValueError if `policy.model_name` has no decoder layers to wrap, or LoRA's target / exclude modules match
+        none of its linear layers; built on the meta device (config.json only), so the trainer's preflight finds
+        it before Ray instead of the policy actors after the model load."""
+        lora_cfg = cls.validate_config(policy).lora_cfg
+        model = build_meta_model(policy.model_name, "eager")
+        try:
+            decoder_layers(model)
+        except TypeError as exc:
+            raise ValueError(str(exc)) from None
+        if lora_cfg.enabled:
+            lora.select_targets(model, lora_cfg)
 
     @classmethod
     def checkpoint_to_hf(cls, checkpoint_dir: str, out_dir: str, *, model_dir: str) -> None:

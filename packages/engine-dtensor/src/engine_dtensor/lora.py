@@ -85,7 +85,7 @@ def _matches(patterns: list[str], name: str) -> list[str]:
     return [p for p in patterns if p == leaf or fnmatch.fnmatchcase(name, p)]
 
 
-def _select_targets(model: nn.Module, cfg: LoRAConfig) -> list[str]:
+def select_targets(model: nn.Module, cfg: LoRAConfig) -> list[str]:
     """Full names of the decoder layers' nn.Linear modules that get an adapter; a pattern selecting nothing is
     an error listing the leaf names there are."""
     layers = decoder_layers(model)
@@ -114,7 +114,7 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig, *, frozen_dtype: torch.dtype) 
 
     Frozen parameters are stored in `frozen_dtype`, the compute dtype: they need no float32 master copy, and FSDP
     would cast them to it for every forward anyway, so bf16 storage halves their memory and changes no result."""
-    targets = _select_targets(model, cfg)
+    targets = select_targets(model, cfg)
     model.requires_grad_(False)
     for param in model.parameters():  # in place: a tied weight stays one parameter
         param.data = param.data.to(frozen_dtype)
