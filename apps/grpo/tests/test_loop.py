@@ -112,6 +112,22 @@ def test_batch_rows_masks_and_logprobs_are_aligned():
     assert batch.loss_mask[1].sum() == 0  # truncated and overlong filtering is on: no loss
 
 
+def test_reward_requests_carry_the_prompt_as_rendered_and_as_messages():
+    """An environment gets the policy's text, the row's metadata and the chat messages (a reward model with its own
+    chat template renders those), each completion with its own prompt's."""
+    from rl_core.testing.tiny_models import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    messages = [[{"role": "user", "content": q}] for q in ("ab", "cd")]
+    prompts = [PromptExample(prompt=f"user: {m[0]['content']}\n", prompt_token_ids=[5], metadata={"i": i},
+                             messages=m) for i, m in enumerate(messages)]
+    completions = [Completion(prompt_index=i, token_ids=tokenizer.encode("xy", add_special_tokens=False),
+                              logprobs=[0.0, 0.0], finish_reason="stop") for i in (1, 0)]
+    requests = loop.reward_requests(prompts, completions, tokenizer)
+    assert [(r.prompt, r.completion, r.metadata, r.messages) for r in requests] == [
+        ("user: cd\n", "xy", {"i": 1}, messages[1]), ("user: ab\n", "xy", {"i": 0}, messages[0])]
+
+
 def test_prev_logprob_pass_runs_only_with_several_optimizer_steps_per_batch():
     on_policy = make_run()  # 6 samples, train_global_batch_size 6: one optimizer step
     grpo_step(on_policy, 0)

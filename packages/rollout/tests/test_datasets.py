@@ -55,6 +55,9 @@ def test_chat_template_renders_user_turn_and_system_prompt(tmp_path, tokenizer):
     assert examples[0].prompt == "system: Be brief.\nuser: What is 1/2 + 0?\nassistant: "
     assert examples[2].prompt == "system: Be brief.\nuser: hi\nassistant: "
     assert examples[0].prompt_token_ids == tokenizer.encode(examples[0].prompt, add_special_tokens=False)
+    # the messages the prompt was rendered from, for environments that render it their own way
+    assert examples[2].messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert examples[0].messages[1] == {"role": "user", "content": "What is 1/2 + 0?"}
 
 
 def test_malformed_jsonl_line_names_file_and_line(tmp_path, tokenizer):

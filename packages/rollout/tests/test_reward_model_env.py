@@ -66,3 +66,34 @@ def test_refusals_name_the_key(reward_model_dir, tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="sees no GPU.*env.num_workers=0"):
             create_environment("reward_model", model=reward_model_dir, device="cuda")
+
+
+def test_chat_template_scores_the_conversation_in_the_reward_models_own_format(reward_model_dir, tmp_path):
+    """With chat_template=true the reward model reads its own rendering of the prompt's messages plus the completion
+    as the assistant's turn, not the policy's text: scores equal the hand-written conversations scored alone."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    rm = tmp_path / "rm"
+    shutil.copytree(reward_model_dir, rm)
+    tokenizer = AutoTokenizer.from_pretrained(rm)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'][0] }}> {{ m['content'] }}\n{% endfor %}"
+    tokenizer.save_pretrained(rm)
+    env = create_environment("reward_model", model=str(rm), batch_size=2, chat_template=True)
+    system = {"role": "system", "content": "be brief"}
+    requests = [RewardRequest(prompt=f"user: {p}\nassistant: ", completion=c,
+                              messages=[system, {"role": "user", "content": p}]) for p, c in TEXTS]
+    expected = plain_scores(reward_model_dir, [f"s> be brief\nu> {p}\na> {c}\n" for p, c in TEXTS], 0)
+    assert [r.reward for r in env.score(requests)] == pytest.approx(expected, abs=1e-5)
+    policy_text = plain_scores(reward_model_dir, [r.prompt + r.completion for r in requests], 0)
+    assert all(abs(a - b) > 1e-4 for a, b in zip(expected, policy_text))  # the format matters to the score
+
+    with pytest.raises(ValueError, match="needs the prompt as chat messages"):
+        env.score([RewardRequest(prompt="p", completion="c")])
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(rm)
+    (rm / "chat_template.jinja").unlink(missing_ok=True)
+    with pytest.raises(ValueError, match="env.kwargs.chat_template=true, but the reward model's tokenizer .* has no "
+                                         "chat template"):
+        create_environment("reward_model", model=str(rm), chat_template=True)

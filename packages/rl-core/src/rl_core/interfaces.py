@@ -169,9 +169,12 @@ class GenerationBackend(Protocol):
 
 @dataclass(kw_only=True)
 class RewardRequest:
-    prompt: str
+    prompt: str  # as the policy saw it (its chat template applied, where it has one)
     completion: str
     metadata: dict[str, Any] = field(default_factory=dict)
+    # the prompt as chat messages (system prompt included), for an environment that renders the conversation its
+    # own way: a reward model with a chat template of its own
+    messages: list[dict[str, str]] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)

@@ -29,6 +29,7 @@ class PromptExample:
     prompt: str
     prompt_token_ids: list[int]
     metadata: dict[str, Any] = field(default_factory=dict)
+    messages: list[dict[str, str]] = field(default_factory=list)  # the prompt as chat messages (`chat_messages`)
 
 
 def _check_jsonl(path: Path, prompt_key: str) -> int:
@@ -142,12 +143,18 @@ def render_prompt(prompt: str | list[Mapping[str, str]], tokenizer: Any, *, appl
         if not isinstance(prompt, str):
             raise ValueError("a prompt given as chat messages needs a chat template: set env.use_chat_template=true")
         return prompt
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(f"apply_chat_template=True but tokenizer {type(tokenizer).__name__} has no chat_template")
+    return tokenizer.apply_chat_template(chat_messages(prompt, system_prompt), tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def chat_messages(prompt: str | list[Mapping[str, str]], system_prompt: str | None = None) -> list[dict[str, str]]:
+    """The prompt as chat messages: a string is the user's turn; the system prompt goes first unless one is there."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
     if system_prompt is not None and messages[0].get("role") != "system":
         messages.insert(0, {"role": "system", "content": system_prompt})
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError(f"apply_chat_template=True but tokenizer {type(tokenizer).__name__} has no chat_template")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return messages
 
 
 def build_examples(records: Iterable[Mapping[str, Any]], tokenizer: Any, *, prompt_key: str = "prompt",
@@ -170,7 +177,8 @@ def build_examples(records: Iterable[Mapping[str, Any]], tokenizer: Any, *, prom
         metadata = {k: v for k, v in record.items() if k != prompt_key}
         if isinstance(record.get("metadata"), Mapping):  # toy generators nest their fields
             metadata = {**metadata.pop("metadata"), **metadata}
-        examples.append(PromptExample(prompt=text, prompt_token_ids=list(ids), metadata=metadata))
+        examples.append(PromptExample(prompt=text, prompt_token_ids=list(ids), metadata=metadata,
+                                      messages=chat_messages(record[prompt_key], system_prompt)))
     return examples
 
 

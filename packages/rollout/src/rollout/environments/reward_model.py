@@ -1,11 +1,12 @@
 """`reward_model`: a Hugging Face sequence-classification reward model as the environment (RLHF's learned reward).
 
-A completion's reward is the model's score of the prompt's rendered text followed by the completion: the logit
-`label` (0: a Bradley-Terry reward model's single output) at the text's last token, as
-`AutoModelForSequenceClassification` pools it. The text is the policy's own rendering (its chat template, where
-`env.use_chat_template` is set), so the reward model must read that format; a reward that needs another one is a
-`function` environment. The model's weights are data, not code (`trust_remote_code` stays off), so it scores in
-this process, in batches of `batch_size`, not in the sandboxed pool of the function environments.
+A completion's reward is the model's score of the conversation: the logit `label` (0: a Bradley-Terry reward
+model's single output) at the text's last token, as `AutoModelForSequenceClassification` pools it. The text is the
+policy's own rendering of the prompt (its chat template, where `env.use_chat_template` is set) followed by the
+completion; or, with `chat_template=true`, the reward model's own chat template over the prompt's messages and the
+completion as the assistant's turn (what verl does when the reward model's tokenizer is not the policy's: reward
+models are trained on their own format). The model's weights are data, not code (`trust_remote_code` stays off), so
+it scores in this process, in batches of `batch_size`, not in the sandboxed pool of the function environments.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class RewardModelEnvironment:
     """Scores `prompt + completion` with a local sequence-classification checkpoint `model`."""
 
     def __init__(self, *, model: str, device: str = "cpu", dtype: str = "float32", batch_size: int = 16,
-                 max_length: int | None = None, label: int = 0) -> None:
+                 max_length: int | None = None, label: int = 0, chat_template: bool = False) -> None:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         if not (Path(model) / "config.json").is_file():
@@ -44,6 +45,10 @@ class RewardModelEnvironment:
             raise ValueError(f"env.kwargs.device={device!r}, but this process sees no GPU (the trainer's reward "
                              "workers get none): score in the driver with env.num_workers=0, or use device=cpu")
         self.tokenizer = AutoTokenizer.from_pretrained(model)
+        if chat_template and getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError(f"env.kwargs.chat_template=true, but the reward model's tokenizer ({model}) has no chat "
+                             "template; set chat_template=false to score the policy's own rendering of the prompt")
+        self.chat_template = chat_template
         if self.tokenizer.pad_token_id is None:  # padding is only for batching; the score is at the last real token
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.tokenizer.padding_side = "right"
@@ -59,12 +64,23 @@ class RewardModelEnvironment:
 
     @torch.no_grad()
     def score(self, requests: Sequence[RewardRequest]) -> list[RewardResult]:
-        texts = [r.prompt + r.completion for r in requests]
+        texts = [self._text(r) for r in requests]
         scores: list[float] = []
         for start in range(0, len(texts), self.batch_size):
+            # a chat template writes its own special tokens (BOS); plain text gets the tokenizer's
             batch = self.tokenizer(texts[start : start + self.batch_size], return_tensors="pt", padding=True,
-                                   truncation=self.max_length is not None, max_length=self.max_length)
+                                   truncation=self.max_length is not None, max_length=self.max_length,
+                                   add_special_tokens=not self.chat_template)
             logits = self.model(input_ids=batch["input_ids"].to(self.device),
                                 attention_mask=batch["attention_mask"].to(self.device)).logits
             scores += logits[:, self.label].float().tolist()
         return [RewardResult(reward=score) for score in scores]
+
+    def _text(self, request: RewardRequest) -> str:
+        if not self.chat_template:
+            return request.prompt + request.completion
+        if not request.messages:
+            raise ValueError("env.kwargs.chat_template=true needs the prompt as chat messages (RewardRequest.messages), "
+                             "which this caller did not give")
+        conversation = [*request.messages, {"role": "assistant", "content": request.completion}]
+        return self.tokenizer.apply_chat_template(conversation, tokenize=False)
