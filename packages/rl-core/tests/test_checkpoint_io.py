@@ -63,6 +63,28 @@ def test_manifest_names_the_damaged_file_and_covers_nested_manifests(tmp_path):
         verify_manifest(tmp_path)
 
 
+def test_manifest_of_many_files_holds_each_files_sha256_and_finds_the_one_changed(tmp_path):
+    """Each entry is hashlib's digest of that file (read in chunks), and one changed byte among many files is
+    named."""
+    import hashlib
+    import json
+
+    rng = random.Random(0)
+    for i in range(12):
+        (tmp_path / f"__{i}_0.distcp").write_bytes(rng.randbytes(rng.randrange(1, 3 << 20)))
+    write_manifest(tmp_path)
+    files = json.loads((tmp_path / "MANIFEST.json").read_text())["files"]
+    assert files == {f.name: {"size": f.stat().st_size, "sha256": hashlib.sha256(f.read_bytes()).hexdigest()}
+                     for f in tmp_path.glob("*.distcp")}
+    verify_manifest(tmp_path)
+    changed = tmp_path / "__7_0.distcp"
+    data = bytearray(changed.read_bytes())
+    data[len(data) // 2] ^= 1
+    changed.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"__7_0.distcp does not match its sha256"):
+        verify_manifest(tmp_path)
+
+
 def test_atomic_dir_publishes_whole_or_nothing(tmp_path):
     with atomic_dir(tmp_path / "out") as tmp:
         (tmp / "a").write_text("1")
