@@ -38,7 +38,7 @@ def load_prompts(cfg: GRPOConfig, tokenizer: Any, split: str) -> list[PromptExam
         examples = build_examples(records, tokenizer, **render)
     source = f"{split} ({path or env.name})"
     check_prompt_vocab(examples, model_vocab_size(cfg.policy.model_name), source)
-    return drop_long_prompts(examples, cfg.prompt_token_limit, source)
+    return drop_long_prompts(examples, *cfg.prompt_token_limit_and_keys, source)
 
 
 def check_prompt_fields(examples: list[PromptExample], env_name: str, source: str) -> None:
@@ -72,21 +72,19 @@ def check_prompt_vocab(examples: list[PromptExample], vocab_size: int | None, so
                              "is not the model's")
 
 
-def drop_long_prompts(examples: list[PromptExample], limit: int | None, source: str) -> list[PromptExample]:
-    """The prompts of at most `limit` tokens: a longer one would fail in vLLM (or stop short of
-    max_new_tokens, reported as a length cut-off) or not fit a micro-batch later."""
+def drop_long_prompts(examples: list[PromptExample], limit: int | None, keys: str, source: str
+                      ) -> list[PromptExample]:
+    """The prompts of at most `limit` tokens (set by config `keys`): a longer one would fail in vLLM (or stop
+    short of max_new_tokens, reported as a length cut-off) or not fit a micro-batch later."""
     if limit is None:
         return examples
     kept = [e for e in examples if len(e.prompt_token_ids) <= limit]
     if not kept:
-        raise ValueError(f"every {source} prompt is longer than {limit} tokens (env.max_prompt_tokens, or "
-                         "generation.backend_kwargs.max_model_len - generation.max_new_tokens, or the micro-batch "
-                         "token budget - generation.max_new_tokens); raise the limit")
+        raise ValueError(f"every {source} prompt is longer than {limit} tokens ({keys}); raise that limit")
     if len(kept) < len(examples):
         longest = max(len(e.prompt_token_ids) for e in examples)
-        logger.warning("dropped %d of %d %s prompts longer than %d tokens (the longest: %d; env.max_prompt_tokens, "
-                       "max_model_len or the micro-batch token budget, less generation.max_new_tokens)",
-                       len(examples) - len(kept), len(examples), source, limit, longest)
+        logger.warning("dropped %d of %d %s prompts longer than %d tokens (the longest: %d; the limit is %s)",
+                       len(examples) - len(kept), len(examples), source, limit, longest, keys)
     return kept
 
 

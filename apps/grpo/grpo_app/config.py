@@ -213,27 +213,35 @@ class GRPOConfig:
         """The longest prompt a run keeps: env.max_prompt_tokens, else max_model_len - max_new_tokens; and at
         most what the micro-batch token budget leaves for max_new_tokens, since a longer prompt with a full
         completion fits no micro-batch and would stop the run at the step that sampled it."""
-        limit = self.env.max_prompt_tokens
+        return self.prompt_token_limit_and_keys[0]
+
+    @property
+    def prompt_token_limit_and_keys(self) -> tuple[int | None, str]:
+        """`prompt_token_limit` and the config keys (with their values) that set it, for the message of a
+        prompt it drops: the user must know which key to raise."""
+        new = f"generation.max_new_tokens={self.generation.max_new_tokens}"
+        limit, keys = self.env.max_prompt_tokens, f"env.max_prompt_tokens={self.env.max_prompt_tokens}"
         max_model_len = self.generation.backend_kwargs.get("max_model_len")
         if limit is None and max_model_len is not None:
             limit = int(max_model_len) - self.generation.max_new_tokens
-        longest = longest_planned_sequence(self.policy)
-        if longest is not None:
-            fits = longest - self.generation.max_new_tokens
-            limit = fits if limit is None else min(limit, fits)
-        return limit
+            keys = f"generation.backend_kwargs.max_model_len={max_model_len} less {new}"
+        budget = longest_planned_sequence(self.policy)
+        if budget is not None and (limit is None or budget[1] - self.generation.max_new_tokens < limit):
+            limit = budget[1] - self.generation.max_new_tokens
+            keys = f"{budget[0]} (a sequence of at most {budget[1]} tokens) less {new}"
+        return limit, keys
 
     @property
     def checkpoint_dir(self) -> Path:
         return Path(self.checkpointing.dir or Path(self.logger.log_dir) / "checkpoints")
 
 
-def longest_planned_sequence(policy: PolicyConfig) -> int | None:
-    """The longest sequence the micro-batch planner accepts in both the training and the logprob passes (None:
-    no token budget). seqpack prices a sequence at its length rounded up to `round_to`, the lcm of dynamic
-    batching's sequence_length_round and the engine's own padding multiple (TP under sequence parallel,
-    megatron's 2 x TP x CP when packing), and refuses one whose rounded length exceeds the budget; so the
-    limit is the budget rounded *down* to that multiple. The engine's multiple comes from its class
+def longest_planned_sequence(policy: PolicyConfig) -> tuple[str, int] | None:
+    """The longest sequence the micro-batch planner accepts in both the training and the logprob passes, and the
+    config key (with its value) of the budget that sets it (None: no token budget). seqpack prices a sequence at
+    its length rounded up to `round_to`, the lcm of dynamic batching's sequence_length_round and the engine's own
+    padding multiple (TP under sequence parallel, megatron's 2 x TP x CP when packing), and refuses one whose
+    rounded length exceeds the budget; so the limit is the budget rounded *down* to that multiple. The engine's multiple comes from its class
     (`rl_core.interfaces.PadsSequences`), from the config alone; an engine without it counts as 1."""
     from rl_core.interfaces import PadsSequences
     from rl_core.registry import ENGINES
@@ -242,8 +250,13 @@ def longest_planned_sequence(policy: PolicyConfig) -> int | None:
         return None  # micro-batches by sequence count: no token budget to overrun
     engine_cls = ENGINES.get(policy.engine_name, config_key=policy.engine_config_key)
     multiple = engine_cls.sequence_multiple(policy) if isinstance(engine_cls, PadsSequences) else 1
-    budgets = [micro_batch_limits(policy, training=training, seq_multiple=multiple) for training in (True, False)]
-    return min(b["max_tokens"] // b["round_to"] * b["round_to"] for b in budgets)
+    section = "sequence_packing" if policy.sequence_packing.enabled else "dynamic_batching"
+    longest = {}
+    for training, key in ((True, "train_mb_tokens"), (False, "logprob_mb_tokens")):
+        budget = micro_batch_limits(policy, training=training, seq_multiple=multiple)
+        tokens, round_to = budget["max_tokens"], budget["round_to"]
+        longest[f"policy.{section}.{key}={tokens}"] = tokens // round_to * round_to
+    return min(longest.items(), key=lambda item: item[1])
 
 
 # ---- loading --------------------------------------------------------------------------------------------
@@ -436,6 +449,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (),
                 raise unknown_key_error("", key, names)
         cfg = parse_config(GRPOConfig, resolve_auto(data, hardware or detect_hardware()))
     except ConfigError as exc:
+        if path and "defaults" not in key_lines and "is required" in str(exc):  # a file written from scratch
+            exc = ConfigError(f"{exc} (--config {path} names no 'defaults:', so it starts from the schema's defaults "
+                              "alone; add 'defaults: cpu_default' to it to start from the embedded default run)")
         raise _with_file_line(exc, key_lines) from None
     refit_path(cfg)  # a placement that cannot work fails here, naming the keys
     return cfg

@@ -13,6 +13,7 @@ import difflib
 import logging
 import math
 import pickle
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,7 +26,7 @@ import torch
 from grpo_app.checkpoint import HF_DIR, CheckpointManager, run_identity
 from grpo_app.cluster import Workers
 from grpo_app.config import GRPOConfig
-from grpo_app.metrics_sink import MetricsSink
+from grpo_app.metrics_sink import STEP_LOG_KEYS, MetricsSink, format_metrics
 from grpo_app.prompts import PromptSource
 from rl_core.advantages import grpo_advantages
 from rl_core.batch import TokenBatch
@@ -320,6 +321,7 @@ def validate(run: Run, step: int) -> dict[str, float]:
     out = {"val/reward_mean": float(rewards.mean())}
     if correct:
         out["val/accuracy"] = sum(correct) / len(correct)
+    logger.info("validation at step %d (%d prompts): %s", step, len(run.val_prompts), format_metrics(out))
     return out
 
 
@@ -339,8 +341,11 @@ def train(run: Run, start_step: int = 0) -> None:
     cfg = run.cfg.grpo
     from tqdm import tqdm
 
+    # a bar only on a terminal: in a log file (nohup, a batch job) its redraws are one endless line; there, as with
+    # logger.progress_bar=false, each step is a log line instead
+    show_bar = run.cfg.logger.progress_bar and sys.stderr.isatty()
     bar = tqdm(range(start_step, cfg.max_steps), initial=start_step, total=cfg.max_steps, desc="GRPO",
-               disable=not run.cfg.logger.progress_bar)
+               disable=not show_bar)
     validated: dict[int, dict[str, float]] = {}
 
     def validation(step: int) -> dict[str, float]:
@@ -365,6 +370,8 @@ def train(run: Run, start_step: int = 0) -> None:
         step_metrics = grpo_step(run, step)
         metrics = {**val, **step_metrics}
         run.sink.log(step, metrics)
+        if not show_bar:
+            logger.info("step %d (%d of %d): %s", step, step + 1, cfg.max_steps, format_metrics(metrics, STEP_LOG_KEYS))
         bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}", loss=f"{metrics.get('train/loss', 0):.2e}")
         done = step + 1 == cfg.max_steps
         if done and cfg.val_every:

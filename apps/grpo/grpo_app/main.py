@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("%s", exc)
         return 2
     except RewardFailureError as exc:  # the reward function is broken: one line, not a Ray traceback
-        logger.error("%s", exc)
+        logger.error("run stopped: %s%s", exc, _resume_hint(cfg))
         return 1
     except ray.exceptions.RayError as exc:  # an actor raised or died: its own traceback, then one line naming it
         from grpo_app.cluster import describe_failure

@@ -21,6 +21,17 @@ PHASES = ("generate", "reward", "rollout_wait", "logprobs", "train", "refit")
 SAMPLING = ("generate", "reward")
 
 
+# what the log line of a step shows where no progress bar does (logger.progress_bar=false), as it is keyed in
+# metrics.jsonl and TensorBoard
+STEP_LOG_KEYS = ("rollout/reward_mean", "val/reward_mean", "val/accuracy", "train/loss", "train/grad_norm",
+                 "timing/step_s")
+
+
+def format_metrics(metrics: dict[str, float], keys: tuple[str, ...] | None = None) -> str:
+    """`key=value` for `keys` (default: all) that `metrics` has, with 4 significant digits."""
+    return " ".join(f"{k}={metrics[k]:.4g}" for k in (keys if keys is not None else metrics) if k in metrics)
+
+
 class MetricsSink:
     """`resume_step`: the step a resumed run continues from (None: a new run).
 

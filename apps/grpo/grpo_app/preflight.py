@@ -17,6 +17,7 @@ import inspect
 import logging
 import math
 import os
+import re
 import socket
 import types
 import typing
@@ -149,7 +150,7 @@ def check_optimizer(optimizer: OptimizerConfig) -> None:
         raise ConfigError(f"policy.optimizer.kwargs.lr={lr!r} must be a finite number >= 0")
     try:
         cls([torch.nn.Parameter(torch.zeros(1))], **optimizer.kwargs)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, IndexError) as exc:  # IndexError: a list too short (betas=[0.9])
         listed = [k for k, v in optimizer.kwargs.items() if isinstance(v, str) and "," in v]  # betas=0.9,0.95
         hint = f" (policy.optimizer.kwargs.{listed[0]} is a string: write a list as [a, b])" if listed else ""
         raise ConfigError(f"policy.optimizer.kwargs {optimizer.kwargs} are rejected by torch.optim."
@@ -288,11 +289,22 @@ def model_dir_problem(name: str) -> str:
         return f"policy.model_name={name!r}: no such directory ({path.absolute()}); {fix}"
     if (path / STATE_FILE).is_file() or (path / "checkpoints").is_dir():  # what `eval` users reach for first
         kind = "checkpoint" if (path / STATE_FILE).is_file() else "directory"
-        hf = path / HF_DIR
-        use = (f"use its Hugging Face copy, policy.model_name={hf}" if (hf / "config.json").is_file() else
+        copies = _hf_copies(path)
+        use = (f"use its Hugging Face copy, policy.model_name={copies[-1]}" if copies else
                f"write one with `uv run apps/grpo export {name}` and set policy.model_name to the directory it names")
         return f"policy.model_name={name!r} is a trainer's run {kind}, not a Hugging Face model directory: {use}"
     return f"policy.model_name={name!r} is not a local Hugging Face checkpoint directory (no config.json); {fix}"
+
+
+def _hf_copies(path: Path) -> list[Path]:
+    """The Hugging Face copies in a checkpoint (`hf/`) or a run directory (each checkpoint's `hf/`, and `export`'s
+    `hf/step_N`), the newest step last."""
+    found = [path / HF_DIR, *path.glob(f"checkpoints/step_*/{HF_DIR}"), *path.glob(f"{HF_DIR}/step_*")]
+
+    def step(copy: Path) -> int:  # N of the step_N in checkpoints/step_N/hf or hf/step_N (a checkpoint's hf/: -1)
+        return next((int(part[5:]) for part in copy.parts[-2:] if re.fullmatch(r"step_\d+", part)), -1)
+
+    return sorted((p for p in found if (p / "config.json").is_file()), key=step)
 
 
 def check_environment(cfg: GRPOConfig, *, training: bool = True) -> None:
@@ -372,9 +384,16 @@ def check_reward_function(cfg: GRPOConfig) -> None:
                           f"env.kwargs.fn={stem}:{attr}")
     top = module.split(".")[0]
     launch_dir = os.getcwd()  # on the workers' import path (rollout._reward_worker)
-    if importlib.util.find_spec(top) is None and PathFinder.find_spec(top, [launch_dir]) is None:
+    spec = importlib.util.find_spec(top) or PathFinder.find_spec(top, [launch_dir])
+    if spec is None:
         raise ConfigError(f"env.kwargs.fn={fn!r}: no module {top!r} on the Python path or in {launch_dir}; "
-                          "install its package, or start the run in the directory that holds it")
+                          "install its package, add its directory to PYTHONPATH, or start the run in the directory "
+                          "that holds it")
+    if module == top and spec.origin and spec.origin.endswith(".py"):  # compiled, not run: a typo fails here, not
+        try:                                                           # in the reward workers once Ray is up
+            compile(Path(spec.origin).read_bytes(), spec.origin, "exec")
+        except SyntaxError as exc:
+            raise ConfigError(f"env.kwargs.fn={fn!r}: {exc.filename}:{exc.lineno}: SyntaxError: {exc.msg}") from None
 
 
 def preflight(cfg: GRPOConfig, *, training: bool = True) -> GRPOConfig:

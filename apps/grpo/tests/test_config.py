@@ -166,7 +166,8 @@ def test_prompt_limit_rounds_by_the_engines_padding_multiple():
     dtensor = load_config(None, [*base, "policy.sequence_packing.enabled=false", "policy.dynamic_batching.enabled=true",
                                  "policy.dynamic_batching.train_mb_tokens=1100",
                                  "policy.dtensor_cfg.tensor_parallel_size=3", "policy.dtensor_cfg.sequence_parallel=true"])
-    assert longest_planned_sequence(dtensor.policy) == 960  # 5 x 192; the old limit, 1100 // 64 * 64, was 1088
+    # 5 x 192; the old limit, 1100 // 64 * 64, was 1088
+    assert longest_planned_sequence(dtensor.policy) == ("policy.dynamic_batching.train_mb_tokens=1100", 960)
     assert dtensor.prompt_token_limit == 960 - 64
     # what DTensorEngine._plan asks seqpack for (no process group: plan_dp_micro_batches is plan_micro_batches)
     limits = micro_batch_limits(dtensor.policy, training=True, seq_multiple=DTensorConfig.from_policy(dtensor.policy)
@@ -179,7 +180,8 @@ def test_prompt_limit_rounds_by_the_engines_padding_multiple():
     megatron = load_config(None, [*base, "policy.megatron_cfg.enabled=true",
                                   "policy.megatron_cfg.tensor_model_parallel_size=2",
                                   "policy.sequence_packing.train_mb_tokens=1026"])
-    assert longest_planned_sequence(megatron.policy) == 1024  # the old limit was the budget itself, 1026
+    # the old limit was the budget itself, 1026
+    assert longest_planned_sequence(megatron.policy) == ("policy.sequence_packing.train_mb_tokens=1026", 1024)
     assert megatron.prompt_token_limit == 1024 - 64
     policy = megatron.policy
     settings = resolve_settings(policy, parse_megatron_config(policy.engine_options), tiny_config("qwen2"),
@@ -292,3 +294,17 @@ def test_defaults_may_name_a_shipped_config(tmp_path):
     with pytest.raises(ConfigError, match=r"'defaults: cpu_defaults.yaml' names no file .*or the name of a shipped "
                                           r"config \(did you mean cpu_default\?\)"):
         load_config(typo)
+
+
+def test_a_file_without_defaults_says_how_to_start_from_the_default_run(tmp_path):
+    """A file written from scratch (as for verl or NeMo-RL) inherits nothing: the missing required key is named
+    with the fix, where it said `is required (<class 'str'>)`."""
+    own = tmp_path / "mine.yaml"
+    own.write_text("grpo:\n  max_steps: 2\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config(own)
+    assert str(exc.value) == (f"config key 'policy.model_name' is required (str); set it (--config {own} names no "
+                              "'defaults:', so it starts from the schema's defaults alone; add 'defaults: cpu_default' "
+                              "to it to start from the embedded default run)")
+    own.write_text("defaults: cpu_default\ngrpo:\n  max_steps: 2\n")
+    assert load_config(own).grpo.max_steps == 2

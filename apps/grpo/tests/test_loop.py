@@ -3,6 +3,7 @@ separate prev-logprob pass runs, and the rollouts sampled ahead with grpo.async_
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 import time
@@ -400,3 +401,23 @@ def test_async_summary_counts_the_wait_not_the_generation_sampled_beside_the_ste
     assert (own["generate"], own["rollout_wait"], own["train"]) == ("2.000", "0.250", "4.000")
     assert beside == {"generate": "2.000", "reward": "1.000"}  # step 1's own sampling times
     assert sink.plot(tmp_path / "summary.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("progress_bar", ["false", "true"])  # true: stderr is no terminal here (pytest captures it)
+def test_without_a_progress_bar_each_step_and_each_validation_is_a_log_line(tmp_path, caplog, progress_bar):
+    """`logger.progress_bar=false`, or a run whose stderr is a log file, showed no progress until the summary (the
+    bar's redraws were one endless line in a file), and a validation's result was in metrics.jsonl only; the lines
+    use the steps and keys of metrics.jsonl."""
+    run = make_run("grpo.max_steps=2", "grpo.val_every=2", f"logger.progress_bar={progress_bar}")
+    run.val_prompts = run.train_prompts.items[:2]
+    run.sink = MetricsSink(tmp_path, tensorboard=False, resume_step=None)
+    with caplog.at_level("INFO", logger="grpo_app.loop"):
+        loop.train(run)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(("step", "validation"))]
+    assert [line.split(":")[0] for line in lines] == ["validation at step 0 (2 prompts)", "step 0 (1 of 2)",
+                                                      "step 1 (2 of 2)", "validation at step 2 (2 prompts)"]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines[1] == (f"step 0 (1 of 2): rollout/reward_mean={records[0]['rollout/reward_mean']:.4g} "
+                        f"val/reward_mean={records[0]['val/reward_mean']:.4g} train/loss=0 "
+                        f"timing/step_s={records[0]['timing/step_s']:.4g}")
+    assert lines[3] == f"validation at step 2 (2 prompts): val/reward_mean={records[2]['val/reward_mean']:.4g}"

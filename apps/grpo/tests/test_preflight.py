@@ -120,6 +120,7 @@ def test_data_file_of_another_format_names_the_key_and_the_formats(caplog, tmp_p
                                          "'policy.optimizer.kwargs.lr'?"),
     ("policy.optimizer.kwargs.lr=-1", "policy.optimizer.kwargs.lr=-1 must be a finite number >= 0"),
     ("policy.optimizer.kwargs.betas=[0.9,2.0]", "rejected by torch.optim.AdamW: Invalid beta parameter"),
+    ("policy.optimizer.kwargs.betas=[0.9]", "rejected by torch.optim.AdamW: list index out of range"),  # a traceback
     ("env.kwargs.answer_lenn=3", "unknown config key 'env.kwargs.answer_lenn'; did you mean 'env.kwargs.answer_len'?"),
     ("env.name=function", "env.kwargs.fn is required by FunctionEnvironment"),
     ("env.kwargs.answer_len=abc", "env.kwargs.answer_len must be int; got str 'abc'"),
@@ -384,10 +385,11 @@ def test_prompts_longer_than_the_limit_are_dropped_with_a_warning(caplog):
 
     examples = [PromptExample(prompt=str(n), prompt_token_ids=list(range(n))) for n in (3, 9, 5, 12)]
     with caplog.at_level(logging.WARNING, logger="grpo_app.build"):
-        kept = drop_long_prompts(examples, 5, "train (t.jsonl)")
+        kept = drop_long_prompts(examples, 5, "env.max_prompt_tokens=5", "train (t.jsonl)")
     assert [len(e.prompt_token_ids) for e in kept] == [3, 5]
-    assert "dropped 2 of 4 train (t.jsonl) prompts longer than 5 tokens (the longest: 12" in caplog.text
-    assert drop_long_prompts(examples, None, "train") is examples
+    assert ("dropped 2 of 4 train (t.jsonl) prompts longer than 5 tokens (the longest: 12; the limit is "
+            "env.max_prompt_tokens=5)") in caplog.text
+    assert drop_long_prompts(examples, None, "", "train") is examples
 
 
 def test_prompt_limit_follows_max_model_len_and_an_empty_set_fails_before_ray(caplog):
@@ -399,7 +401,9 @@ def test_prompt_limit_follows_max_model_len_and_an_empty_set_fails_before_ray(ca
     with pytest.raises(ConfigError, match="max_model_len=6 leaves no room for a prompt"):
         load_config(None, [*base, "generation.backend_kwargs.max_model_len=6"])
     code, text = run_main(caplog, "env.max_prompt_tokens=1")
-    assert code == 2 and "every train (repeat_char) prompt is longer than 1 tokens" in text, text
+    assert code == 2 and "every train (repeat_char) prompt is longer than 1 tokens (env.max_prompt_tokens=1)" in text
+    assert load_config(None, [*base, "generation.backend_kwargs.max_model_len=10"]).prompt_token_limit_and_keys == (
+        4, "generation.backend_kwargs.max_model_len=10 less generation.max_new_tokens=6")
 
 
 def test_prompt_limit_leaves_room_for_a_full_completion_in_one_micro_batch(caplog):
@@ -415,8 +419,14 @@ def test_prompt_limit_leaves_room_for_a_full_completion_in_one_micro_batch(caplo
                "policy.dynamic_batching.train_mb_tokens=100", "policy.dynamic_batching.logprob_mb_tokens=200",
                "policy.dynamic_batching.sequence_length_round=16"]
     assert load_config(None, dynamic).prompt_token_limit == 96 - 6
+    assert load_config(None, [*packing, "env.max_prompt_tokens=100"]).prompt_token_limit_and_keys == (
+        24, "policy.sequence_packing.logprob_mb_tokens=30 (a sequence of at most 30 tokens) less "
+            "generation.max_new_tokens=6")
     code, text = run_main(caplog, "policy.sequence_packing.train_mb_tokens=8")
-    assert code == 2 and "every train (repeat_char) prompt is longer than 2 tokens" in text, text
+    # the key to raise is named (it was "env.max_prompt_tokens, or ..., or the micro-batch token budget ...")
+    assert code == 2 and ("every train (repeat_char) prompt is longer than 2 tokens (policy.sequence_packing."
+                          "train_mb_tokens=8 (a sequence of at most 8 tokens) less generation.max_new_tokens=6); "
+                          "raise that limit") in text, text
 
 
 def test_a_relative_model_path_reaches_the_workers_absolute(tmp_path, monkeypatch):
@@ -486,6 +496,7 @@ def test_missing_val_data_names_val_every(caplog, tmp_path):
 
 @pytest.mark.parametrize("fn, message", [
     ("no_such_reward_module_xyz:score", "no module 'no_such_reward_module_xyz' on the Python path"),
+    ("no_such_reward_module_xyz:score", "add its directory to PYTHONPATH"),  # what a file outside the repo needs
     ("my_rewards.score", "is not an import path of the form 'pkg.module:function'"),
     ("/work/my_rewards.py:score", "is a file path; it takes an import path 'module:function': start the run in "
                                   "/work (or add it to PYTHONPATH) and set env.kwargs.fn=my_rewards:score"),
@@ -498,6 +509,17 @@ def test_reward_function_that_cannot_import_fails_before_ray(caplog, tmp_path, f
     assert code == 2 and f"env.kwargs.fn={fn!r}" in text and message in text, text
 
 
+def test_reward_module_with_a_syntax_error_fails_before_ray(caplog, tmp_path, monkeypatch):
+    """Compiled, not run, in the driver: it failed in the reward worker's start, after Ray and every worker."""
+    (tmp_path / "typo_reward.py").write_text("def score(**kw):\n    return 1.0 +\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"prompt": "ab:1"}\n')
+    code, text = run_main(caplog, "env.name=function", "env.kwargs.fn=typo_reward:score", f"env.train_data={train}",
+                          "grpo.val_every=0")
+    assert code == 2 and f"env.kwargs.fn='typo_reward:score': {tmp_path / 'typo_reward.py'}:2: SyntaxError: " in text
+
+
 def test_tokenizer_larger_than_the_model_vocabulary_fails_before_ray(caplog, tmp_path):
     """The char tokenizer has ids up to ~100; a model of 64 embeddings cannot take most prompts."""
     from rl_core.testing.tiny_models import save_tiny_checkpoint
@@ -505,6 +527,13 @@ def test_tokenizer_larger_than_the_model_vocabulary_fails_before_ray(caplog, tmp
     path = save_tiny_checkpoint(tmp_path / "small-vocab", "qwen2", vocab_size=64)
     code, text = run_main(caplog, f"policy.model_name={path}")
     assert code == 2 and "prompt 1 has token ids" in text and ">= the model's vocab_size 64" in text, text
+
+
+def test_lora_target_the_model_lacks_fails_before_ray(caplog):
+    """The DTensor engine's check_model, from config.json: the policy actor found it ~25 s in before."""
+    code, text = run_main(caplog, "policy.dtensor_cfg.lora_cfg.enabled=true",
+                          "policy.dtensor_cfg.lora_cfg.target_modules=[q_proj,qproj]")
+    assert code == 2 and "target_modules: ['qproj'] match no nn.Linear" in text and "'q_proj'" in text, text
 
 
 def test_architecture_the_megatron_engine_cannot_map_fails_before_ray(caplog, tmp_path):
@@ -574,6 +603,15 @@ def test_a_run_checkpoint_as_the_model_names_its_hf_copy_or_export(tmp_path):
     (step / "hf/config.json").write_text("{}")
     with pytest.raises(ConfigError, match=rf"use its Hugging Face copy, policy.model_name={step / 'hf'}$"):
         preflight(load_config(None, [f"policy.model_name={step}"]))
+    (tmp_path / "run2/checkpoints/step_1/policy").mkdir(parents=True)
     with pytest.raises(ConfigError, match=r"is a trainer's run directory, not a Hugging Face model directory: write one "
                                           r"with `uv run apps/grpo export"):
+        preflight(load_config(None, [f"policy.model_name={tmp_path / 'run2'}"]))
+    # the run directory: its newest copy, a checkpoint's hf/ or export's hf/step_N (it said "write one" with both there)
+    with pytest.raises(ConfigError, match=rf"is a trainer's run directory, .*policy.model_name={step / 'hf'}$"):
+        preflight(load_config(None, [f"policy.model_name={tmp_path / 'run'}"]))
+    (tmp_path / "run/hf/step_10").mkdir(parents=True)
+    (tmp_path / "run/hf/step_10/config.json").write_text("{}")
+    newest = tmp_path / "run/hf/step_10"
+    with pytest.raises(ConfigError, match=rf"use its Hugging Face copy, policy.model_name={newest}$"):
         preflight(load_config(None, [f"policy.model_name={tmp_path / 'run'}"]))

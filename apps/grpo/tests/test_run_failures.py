@@ -22,6 +22,7 @@ from ray.core.generated.common_pb2 import ActorDiedErrorContext
 
 import grpo_app.main as cli
 from grpo_app import cluster
+from rollout.environments import RewardFailureError
 
 APP = Path(__file__).resolve().parents[1]  # apps/grpo: `python apps/grpo` runs the trainer
 ACTOR_ID = "219c713806fdc03a988613f401000000"
@@ -82,6 +83,15 @@ def test_an_actor_that_died_is_named(stopped_run):
 def test_a_signal_stops_the_run_with_its_exit_code(stopped_run, tmp_path, exc, code, name):
     assert stopped_run(exc) == (code, f"run stopped: {name}; the same command resumes from "
                                       f"{tmp_path}/run/checkpoints/step_4")
+
+
+def test_a_broken_reward_function_stops_the_run_with_the_same_line(stopped_run, tmp_path):
+    """As every other stop: `run stopped: ...` and where the same command resumes from (it used to be the bare
+    reward message, with no word on the checkpoints)."""
+    code, line = stopped_run(RewardFailureError("16 of 16 reward calls failed"))
+    assert code == 1
+    assert line == ("run stopped: 16 of 16 reward calls failed; the same command resumes from "
+                    f"{tmp_path}/run/checkpoints/step_4")
 
 
 def test_an_actor_that_failed_to_start_is_named():

@@ -76,6 +76,12 @@ def test_malformed_jsonl_line_names_file_and_line(tmp_path, tokenizer):
     path.write_text('{"prompt": "a"}\n[1, 2]\n')
     with pytest.raises(ValueError, match=r"bad\.jsonl:2: expected a JSON object"):
         load_prompt_dataset(path, tokenizer)
+    # valid JSON, one object over several lines (json.dump(obj, indent=2)): not "line 1: malformed JSON"
+    path = tmp_path / "wrapped.json"
+    path.write_text(json.dumps({"data": ROWS}, indent=2))
+    with pytest.raises(ValueError, match=r"wrapped\.json is one JSON dict with keys \['data'\], not a record per line "
+                                         r"\(JSONL\) nor a JSON array of records; write the records themselves"):
+        load_prompt_dataset(path, tokenizer)
 
 
 def test_missing_file_and_unknown_suffix(tmp_path, tokenizer):

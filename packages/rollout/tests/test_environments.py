@@ -13,7 +13,7 @@ import time
 import pytest
 
 from rl_core.interfaces import Environment, RewardRequest
-from rollout._reward_worker import normalize_result
+from rollout._reward_worker import call_reward, normalize_result, resolve_function
 from rollout.environments import create_environment, environment_names, toy_prompts
 from rollout.environments.pool import RewardPool
 from rollout.rewards.math_answer import last_boxed_answer, math_reward
@@ -99,6 +99,33 @@ def test_numpy_scalar_rewards_are_numbers():
     for bad in ["1.0", b"1", None, np.float32("nan"), {"reward": float("inf")}]:
         with pytest.raises(TypeError, match="expected a finite float"):
             normalize_result(bad)
+    with pytest.raises(TypeError, match=r"returned a dict without 'reward' \(keys: \['score'\]\); expected a finite"):
+        normalize_result({"score": 1.0})  # it said "returned None"
+
+
+def test_a_raising_reward_names_its_own_line_first(tmp_path, monkeypatch):
+    """The logs keep a failed call's first line (cut at 300 characters): it names the user's file and line, which
+    a traceback starting in this package's call_reward pushed past the cut."""
+    (tmp_path / "user_reward.py").write_text(textwrap.dedent("""
+        def score(*, prompt, completion, metadata):
+            return helper(metadata)
+
+        def helper(metadata):
+            return metadata["answer"]
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from user_reward import score
+
+    status, message = call_reward(score, {}, "p", "c", {})
+    path = tmp_path / "user_reward.py"
+    assert status == "error"
+    assert message.splitlines()[0] == f"KeyError: 'answer' (at {path}:3 in score -> {path}:6 in helper)"
+    assert "_reward_worker.py" not in message and 'return metadata["answer"]' in message
+    assert call_reward(lambda **_: "1.0", {}, "p", "c", {}) == (
+        "error", "TypeError: reward function returned '1.0'; expected a finite float (or bool, or a "
+                 "dict/RewardResult with a finite 'reward')")
+    assert call_reward(lambda completion: 1.0, {}, "p", "c", {})[1].endswith(
+        "<lambda>() got an unexpected keyword argument 'prompt'")
 
 
 def test_repeat_char_reward_gives_partial_credit():
@@ -272,6 +299,20 @@ def test_bad_names_are_clear_errors():
         create_environment("function", fn="no_such_module_xyz:f", num_workers=1)
     assert {"math", "repeat_char", "copy_digits", "function"} <= set(environment_names())
 
+
+
+def test_a_reward_module_whose_own_code_fails_names_the_function_and_the_error(tmp_path, monkeypatch):
+    """A SyntaxError or a NameError at the module's top level came out as the bare message ("expected ':'
+    (m.py, line 1)"), without the function or the module it was importing."""
+    (tmp_path / "syntax_error_reward.py").write_text("def score(**kw)\n    return 1.0\n")
+    (tmp_path / "name_error_reward.py").write_text("scale = undefined_name\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"^reward function 'syntax_error_reward:score': module 'syntax_error_reward' "
+                                         r"does not import: SyntaxError: expected ':'"):
+        resolve_function("syntax_error_reward:score")
+    with pytest.raises(ValueError, match=r"^reward function 'name_error_reward:score': module 'name_error_reward' does "
+                                         r"not import: NameError: name 'undefined_name' is not defined$"):
+        resolve_function("name_error_reward:score")
 
 POOL_SCRIPT = textwrap.dedent('''
     import sys, time

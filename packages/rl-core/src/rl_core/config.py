@@ -125,7 +125,8 @@ def parse_config(cls: type[T], data: Mapping[str, Any] | None, path: str = "") -
         if f.name in data:
             kwargs[f.name] = _convert(data[f.name], hints[f.name], _join(path, f.name))
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ConfigError(f"config key '{_join(path, f.name)}' is required ({hints[f.name]})")
+            kind = getattr(hints[f.name], "__name__", hints[f.name])
+            raise ConfigError(f"config key '{_join(path, f.name)}' is required ({kind}); set it")
     try:
         return cls(**kwargs)
     except ConfigError:

@@ -20,8 +20,9 @@ def resolve_function(path: str) -> Any:
         raise ValueError(f"reward function {path!r} is not an import path of the form 'pkg.module:function'")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"reward function {path!r}: module {module_name!r} does not import: {exc}") from exc
+    except Exception as exc:  # ImportError, and what the module's own code raises: SyntaxError, NameError, ...
+        name = "" if isinstance(exc, ImportError) else f"{type(exc).__name__}: "
+        raise ValueError(f"reward function {path!r}: module {module_name!r} does not import: {name}{exc}") from exc
     target: Any = module
     for part in attr.split("."):
         if not hasattr(target, part):
@@ -38,6 +39,9 @@ def normalize_result(value: Any) -> tuple[float, bool | None]:
     Any `numbers.Real` counts, so NumPy scalars (np.float32, np.int64) do, and np.bool_ as a bool; strings do not."""
     correct = None
     if isinstance(value, dict):
+        if "reward" not in value:  # else "returned None", about a function that returned a dict
+            raise TypeError(f"reward function returned a dict without 'reward' (keys: {sorted(map(str, value))}); "
+                            "expected a finite float (or bool, or a dict/RewardResult with a finite 'reward')")
         correct = value.get("correct")
         value = value.get("reward")
     elif hasattr(value, "reward"):
@@ -56,10 +60,26 @@ def call_reward(fn: Any, kwargs: dict[str, Any], prompt: str, completion: str, m
     """('ok', reward, correct) or ('error', message): never raises."""
     try:
         value = fn(prompt=prompt, completion=completion, metadata=metadata, **kwargs)
-        reward, correct = normalize_result(value)
-        return ("ok", reward, correct)
     except Exception as exc:  # a user function's bug scores 0; it must not stop the run
-        return ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}")
+        return ("error", describe_exception(exc))
+    try:
+        reward, correct = normalize_result(value)
+    except TypeError as exc:  # the message says what came back; a traceback here would show only this module
+        return ("error", f"TypeError: {exc}")
+    return ("ok", reward, correct)
+
+
+def describe_exception(exc: Exception) -> str:
+    """`Type: message (at file:line in function)` of the reward function's own frame (and of the innermost one
+    where it raised, when that is another), then the traceback from the reward function down. The first line is
+    what the logs keep (they cut a message at a few hundred characters), so it must name the user's line, not
+    this module's."""
+    frames = traceback.extract_tb(exc.__traceback__)[1:]  # [0] is call_reward's own `fn(...)` line
+    where = [f"{f.filename}:{f.lineno} in {f.name}" for f in (frames[:1] + frames[-1:] if len(frames) > 1 else frames)]
+    head = f"{type(exc).__name__}: {exc}" + (f" (at {' -> '.join(where)})" if where else "")
+    if not frames:  # raised by the call itself (e.g. a signature that does not take the keyword arguments)
+        return head
+    return head + "\nTraceback (most recent call last):\n" + "".join(traceback.format_list(frames)).rstrip()
 
 
 def worker_main(conn: Any, fn_path: str, kwargs: dict[str, Any], scratch: str, memory_limit_mb: int | None,

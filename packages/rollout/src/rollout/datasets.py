@@ -51,10 +51,23 @@ def _check_jsonl(path: Path, prompt_key: str) -> int:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: malformed JSON ({exc.msg} at column {exc.colno})") from None
+                raise ValueError(_malformed_line(path, lineno, exc)) from None
             _check_record(record, prompt_key, f"{path}:{lineno}")
             count += 1
     return count
+
+
+def _malformed_line(path: Path, lineno: int, exc: json.JSONDecodeError) -> str:
+    """Why line `lineno` does not parse; a file that is one valid JSON object spread over lines (`json.dump(obj,
+    indent=2)`, e.g. {"data": [...]}) is named as such: "line 1: malformed JSON" would send its author looking for a
+    syntax error that is not there."""
+    try:
+        whole = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return f"{path}:{lineno}: malformed JSON ({exc.msg} at column {exc.colno})"
+    keys = f" with keys {sorted(whole)[:10]}" if isinstance(whole, dict) else ""
+    return (f"{path} is one JSON {type(whole).__name__}{keys}, not a record per line (JSONL) nor a JSON array of "
+            "records; write the records themselves, one JSON object per line or as one array [{...}, ...]")
 
 
 def _holds_json_array(path: Path) -> bool:
