@@ -16,7 +16,7 @@ from grpo_app.metrics_sink import MetricsSink
 from grpo_app.prompts import PromptSource
 from rl_core.checkpoint_io import CheckpointError
 from rl_core.losses import ClippedPGLoss
-from rollout.datasets import PromptExample, build_examples, load_prompt_dataset
+from rollout.datasets import ANSWER, PromptExample, build_examples, load_prompt_dataset
 from rollout.environments import prompt_fields, toy_prompts
 
 logger = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ def load_prompts(cfg: GRPOConfig, tokenizer: Any, split: str) -> list[PromptExam
     env = cfg.env
     path = env.train_data if split == "train" else env.val_data
     render = {"prompt_key": env.prompt_key, "apply_chat_template": env.use_chat_template,
-              "system_prompt": env.system_prompt}
+              "system_prompt": env.system_prompt, "answer_key": env.answer_key}
     if path is not None:
         examples = load_prompt_dataset(path, tokenizer, **render)
         check_prompt_fields(examples, env.name, f"env.{split}_data={path}")
@@ -49,8 +49,10 @@ def check_prompt_fields(examples: list[PromptExample], env_name: str, source: st
         for number, example in enumerate(examples, start=1):
             if example.metadata.get(field) is None:  # `datasets` fills a field that other rows have with None
                 fields = sorted(k for k, v in example.metadata.items() if v is not None)
+                fix = " or set env.answer_key to the one that holds it" if field == ANSWER else ""
                 raise ValueError(f"{source}: prompt {number} has no {field!r} field, which env.name={env_name} reads "
-                                 f"({meaning}); its other fields are {fields}: name that field {field!r} in the file")
+                                 f"({meaning}); its other fields are {fields}: name that field {field!r} in the file"
+                                 f"{fix}")
 
 
 def model_vocab_size(model_dir: str) -> int | None:

@@ -107,6 +107,9 @@ class EnvConfig:
     train_data: str | None = None
     val_data: str | None = None
     prompt_key: str = "prompt"
+    # the field of the reference answer (metadata "answer"); a dotted path reads nested fields, as verl's data
+    # keeps it: reward_model.ground_truth (NeMo-RL's output_key)
+    answer_key: str = "answer"
     use_chat_template: bool = False
     system_prompt: str | None = None
     num_generated_train_prompts: int = 4096

@@ -466,8 +466,13 @@ def test_prompt_file_without_the_field_the_reward_reads_fails_before_ray(tmp_pat
     cfg = preflight(load_config(None, [f"policy.model_name={cached_tiny_checkpoint('qwen2')}", "env.name=math",
                                        f"env.train_data={data}", "grpo.val_every=0"]))
     with pytest.raises(ValueError, match=rf"env.train_data={data}: prompt 2 has no 'answer' field, which env.name=math "
-                                         r"reads \(the reference answer\); its other fields are \['solution'\]"):
+                                         r"reads \(the reference answer\); its other fields are \['solution'\].*"
+                                         r"or set env.answer_key"):
         load_inputs(cfg)
+    data.write_text('{"prompt": "1+1?", "solution": "2"}\n{"prompt": "2+2?", "solution": "4"}\n')
+    renamed = dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, answer_key="solution"))
+    answers = [e.metadata["answer"] for e in load_inputs(renamed).train.items]
+    assert sorted(answers) == ["2", "4"]
 
 
 def test_an_environment_declares_the_prompt_fields_it_reads(monkeypatch):

@@ -107,3 +107,26 @@ def test_empty_parquet_and_a_directory_are_named(tmp_path, tokenizer):
 def test_toy_prompts_become_examples_with_flat_metadata(tokenizer):
     examples = build_examples(toy_prompts("repeat_char", 3), tokenizer)
     assert [e.metadata["target"] for e in examples] == [e.prompt[-1] for e in examples]
+
+
+def test_answer_key_reads_verls_nested_ground_truth_from_parquet(tmp_path, tokenizer):
+    """verl's prepared data (chat-message prompts, the answer in a `reward_model` struct column) trains with
+    env.answer_key=reward_model.ground_truth: the math environment's metadata 'answer' is that field."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rollout.rewards.math_answer import math_reward
+
+    rows = [{"data_source": "gsm8k", "prompt": [{"role": "user", "content": "2+2?"}],
+             "reward_model": {"style": "rule", "ground_truth": "4"}},
+            {"data_source": "gsm8k", "prompt": [{"role": "user", "content": "3*3?"}],
+             "reward_model": {"style": "rule", "ground_truth": "9"}}]
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    examples = load_prompt_dataset(path, tokenizer, apply_chat_template=True, answer_key="reward_model.ground_truth")
+    assert [e.metadata["answer"] for e in examples] == ["4", "9"]
+    assert examples[0].metadata["reward_model"] == {"style": "rule", "ground_truth": "4"}  # the rest stays
+    assert math_reward(prompt=examples[1].prompt, completion="so \\boxed{9}", metadata=examples[1].metadata)["reward"] == 1.0
+    with pytest.raises(ValueError, match=r"train.parquet: record 1: no field 'reward_model.answer' \(answer_key\): "
+                                         r"reward_model holds \['ground_truth', 'style'\]"):
+        load_prompt_dataset(path, tokenizer, apply_chat_template=True, answer_key="reward_model.answer")

@@ -2,7 +2,8 @@
 (never downloaded).
 
 Each row holds a prompt under `prompt_key` (a string, or a list of chat messages {"role", "content"});
-every other column becomes the example's metadata (e.g. "answer" for the math environment). With
+every other column becomes the example's metadata (e.g. "answer" for the math environment; `answer_key` takes it
+from another field, a dotted path into nested ones such as verl's `reward_model.ground_truth`). With
 `apply_chat_template=True` the tokenizer's chat template renders the prompt (user turn, optional
 system prompt, generation prompt appended). JSONL lines are checked one by one first, so a malformed
 line is an error naming the file and line number rather than a pyarrow traceback.
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
+
+ANSWER = "answer"  # the metadata field of the reference answer (the math environment's)
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 
@@ -171,8 +174,10 @@ def chat_messages(prompt: str | list[Mapping[str, str]], system_prompt: str | No
 
 
 def build_examples(records: Iterable[Mapping[str, Any]], tokenizer: Any, *, prompt_key: str = "prompt",
-                   apply_chat_template: bool = False, system_prompt: str | None = None) -> list[PromptExample]:
-    """Records {prompt_key: ..., other: ...} -> PromptExamples (used for files and the toy generators)."""
+                   apply_chat_template: bool = False, system_prompt: str | None = None,
+                   answer_key: str = ANSWER) -> list[PromptExample]:
+    """Records {prompt_key: ..., other: ...} -> PromptExamples (used for files and the toy generators); the
+    metadata's "answer" is the record's `answer_key` field (a dotted path into nested fields)."""
     examples = []
     for number, record in enumerate(records, start=1):
         try:
@@ -190,14 +195,28 @@ def build_examples(records: Iterable[Mapping[str, Any]], tokenizer: Any, *, prom
         metadata = {k: v for k, v in record.items() if k != prompt_key}
         if isinstance(record.get("metadata"), Mapping):  # toy generators nest their fields
             metadata = {**metadata.pop("metadata"), **metadata}
+        if answer_key != ANSWER:
+            metadata[ANSWER] = _field(record, answer_key, f"record {number}")
         examples.append(PromptExample(prompt=text, prompt_token_ids=list(ids), metadata=metadata,
                                       messages=chat_messages(record[prompt_key], system_prompt)))
     return examples
 
 
+def _field(record: Mapping[str, Any], dotted: str, where: str) -> Any:
+    """`record["a"]["b"]` for `dotted` "a.b"; a missing part is an error naming what is there."""
+    value: Any = record
+    for depth, part in enumerate(dotted.split(".")):
+        if not isinstance(value, Mapping) or part not in value:
+            found = sorted(value) if isinstance(value, Mapping) else type(value).__name__
+            at = ".".join(dotted.split(".")[:depth]) or "the record"
+            raise ValueError(f"{where}: no field {dotted!r} (answer_key): {at} holds {found}")
+        value = value[part]
+    return value
+
+
 def load_prompt_dataset(path: str | Path, tokenizer: Any, *, prompt_key: str = "prompt",
                         apply_chat_template: bool = False, system_prompt: str | None = None,
-                        limit: int | None = None) -> list[PromptExample]:
+                        answer_key: str = ANSWER, limit: int | None = None) -> list[PromptExample]:
     """Prompts of a local .jsonl / .parquet file, rendered and tokenized."""
     path = Path(path)
     rows = _read_rows(path, prompt_key)
@@ -205,7 +224,7 @@ def load_prompt_dataset(path: str | Path, tokenizer: Any, *, prompt_key: str = "
         rows = rows.select(range(min(limit, len(rows))))
     try:
         examples = build_examples(rows, tokenizer, prompt_key=prompt_key, apply_chat_template=apply_chat_template,
-                                  system_prompt=system_prompt)
+                                  system_prompt=system_prompt, answer_key=answer_key)
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
     logger.info("loaded %d prompts from %s", len(examples), path)
