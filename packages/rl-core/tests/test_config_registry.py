@@ -96,9 +96,16 @@ def test_policy_engine_key_selects_any_name_and_names_conflicts():
     ({"megatron_cfg": {"enabled": True, "tensor_model_parallel_size": 2}}, None),
     ({"dtensor_cfg": {"tensor_parallel_size": 2}, "megatron_cfg": {"enabled": False}}, None),
 ])
-def test_options_of_the_engine_not_running_are_a_warning(kwargs, unused, caplog):
+def test_options_of_the_engine_not_running_are_a_warning(kwargs, unused, caplog, monkeypatch):
+    """Once: the trainer rebuilds the config (dataclasses.replace resolves the model path), the log says it once."""
+    import dataclasses
+
+    import rl_core.config
+
+    monkeypatch.setattr(rl_core.config, "_WARNED", set())
     with caplog.at_level("WARNING", logger="rl_core.config"):
-        PolicyConfig(model_name="m", **kwargs)
+        policy = PolicyConfig(model_name="m", **kwargs)
+        dataclasses.replace(policy, model_name="/resolved/m")
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert [w.split(" ")[0] for w in warnings] == ([unused] if unused else [])
     assert not unused or "is unused" in warnings[0]

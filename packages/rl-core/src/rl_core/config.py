@@ -27,6 +27,17 @@ T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """A config warning once per process: a config rebuilt with dataclasses.replace (the trainer resolves the
+    model path that way) runs its checks again."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        logger.warning("%s", message)
+
+
 class ConfigError(ValueError):
     """A config value or key is invalid; the message names the key and the fix."""
 
@@ -305,8 +316,8 @@ class PolicyConfig:
         for name, section in BUILTIN_ENGINE_SECTIONS.items():
             unused = self._own_options(name)
             if unused and name != self.engine_name:
-                logger.warning("policy.%s %s is unused: the %r engine runs (%s); its options are %s", section,
-                               unused, self.engine_name, self.engine_config_key, self.engine_options_key)
+                _warn_once(f"policy.{section} {unused} is unused: the {self.engine_name!r} engine runs "
+                           f"({self.engine_config_key}); its options are {self.engine_options_key}")
 
     def _own_options(self, name: str) -> dict[str, Any]:
         return {k: v for k, v in self._section(name).items() if k != "enabled"}
