@@ -90,7 +90,7 @@ def test_missing_data_file(caplog):
 
 
 def test_data_directory_is_named_a_directory(caplog, tmp_path):
-    """A `datasets` save_to_disk directory exists: the error says it is a directory and how to write a file."""
+    """A directory that is no saved `datasets` Dataset: the error says it is a directory and how to write a file."""
     code, text = run_main(caplog, f"env.train_data={tmp_path}")
     assert code == 2 and f"env.train_data={str(tmp_path)!r}" in text and "is a directory" in text
     assert ".to_parquet(path)" in text and "does not exist" not in text

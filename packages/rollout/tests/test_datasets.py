@@ -99,9 +99,31 @@ def test_empty_parquet_and_a_directory_are_named(tmp_path, tokenizer):
     pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), tmp_path / "empty.parquet")
     with pytest.raises(ValueError, match=r"empty\.parquet holds no records"):
         load_prompt_dataset(tmp_path / "empty.parquet", tokenizer)
-    (tmp_path / "saved").mkdir()  # e.g. what datasets' save_to_disk writes
-    with pytest.raises(ValueError, match=r"saved is a directory; expected a local \.jsonl or \.parquet file"):
-        load_prompt_dataset(tmp_path / "saved", tokenizer)
+    (tmp_path / "other").mkdir()
+    with pytest.raises(ValueError, match=r"other is a directory; expected a local \.jsonl or \.parquet file or a "
+                                         r"directory that datasets' save_to_disk wrote"):
+        load_prompt_dataset(tmp_path / "other", tokenizer)
+
+
+def test_a_dataset_saved_with_save_to_disk_loads_as_its_jsonl_does(tmp_path, tokenizer):
+    """A `datasets` Dataset saved with save_to_disk gives the examples of the same records as JSONL; a saved
+    DatasetDict names its split directories; an empty one and a missing prompt column are named."""
+    import datasets
+
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "saved"))
+    assert load_prompt_dataset(tmp_path / "saved", tokenizer) == load_prompt_dataset(jsonl, tokenizer)
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS)}).save_to_disk(str(tmp_path / "dict"))
+    with pytest.raises(ValueError, match=rf"dict is a saved DatasetDict; point at one of its splits: {tmp_path}/dict/train"):
+        load_prompt_dataset(tmp_path / "dict", tokenizer)
+    assert load_prompt_dataset(tmp_path / "dict/train", tokenizer) == load_prompt_dataset(jsonl, tokenizer)
+    datasets.Dataset.from_list([{"question": "q"}]).save_to_disk(str(tmp_path / "other-key"))
+    with pytest.raises(ValueError, match=r"no 'prompt' column \(found \['question'\]\).*env.prompt_key=question"):
+        load_prompt_dataset(tmp_path / "other-key", tokenizer)
+    datasets.Dataset.from_dict({"prompt": []}).save_to_disk(str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match=r"empty holds no records"):
+        load_prompt_dataset(tmp_path / "empty", tokenizer)
 
 
 def test_toy_prompts_become_examples_with_flat_metadata(tokenizer):

@@ -1,5 +1,5 @@
-"""Prompt datasets: local JSONL (or a .json array) / Parquet files read through Hugging Face `datasets`
-(never downloaded).
+"""Prompt datasets: local JSONL (or a .json array) / Parquet files, or a directory `datasets`' save_to_disk wrote,
+read through Hugging Face `datasets` (never downloaded).
 
 Each row holds a prompt under `prompt_key` (a string, or a list of chat messages {"role", "content"});
 every other column becomes the example's metadata (e.g. "answer" for the math environment; `answer_key` takes it
@@ -21,6 +21,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 ANSWER = "answer"  # the metadata field of the reference answer (the math environment's)
+SAVED_DATASET, SAVED_DATASET_DICT = "state.json", "dataset_dict.json"  # what datasets' save_to_disk writes
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 
@@ -115,11 +116,18 @@ def prompt_problem(prompt: Any) -> str | None:
 
 
 def prompt_file_problem(path: str | Path) -> str | None:
-    """Why `path` is not a prompt file this module reads (missing, a directory); None if it is a file."""
+    """Why `path` is not a prompt dataset this module reads (missing, another kind of directory); None if it is a
+    file, or a `datasets` Dataset saved with `save_to_disk`."""
     path = Path(path)
-    if path.is_dir():  # e.g. a `datasets` save_to_disk directory
-        return (f"prompt dataset {path} is a directory; expected a local .jsonl or .parquet file (write a "
-                "datasets.Dataset with .to_json(path) or .to_parquet(path))")
+    if path.is_dir():
+        if (path / SAVED_DATASET).is_file():
+            return None
+        if (path / SAVED_DATASET_DICT).is_file():  # save_to_disk of a DatasetDict: one subdirectory per split
+            splits = json.loads((path / SAVED_DATASET_DICT).read_text()).get("splits", [])
+            return (f"prompt dataset {path} is a saved DatasetDict; point at one of its splits: "
+                    f"{', '.join(str(path / split) for split in splits)}")
+        return (f"prompt dataset {path} is a directory; expected a local .jsonl or .parquet file or a directory that "
+                "datasets' save_to_disk wrote (write a datasets.Dataset with .to_json(path) or .to_parquet(path))")
     if not path.is_file():
         return f"prompt dataset {path} does not exist (expected a local .jsonl or .parquet file)"
     if path.suffix not in (*JSONL_SUFFIXES, ".parquet"):
@@ -134,15 +142,20 @@ def _read_rows(path: Path, prompt_key: str) -> Any:
     problem = prompt_file_problem(path)
     if problem:
         raise ValueError(problem)
-    if path.suffix in JSONL_SUFFIXES:
+    if path.is_dir():  # a saved Dataset (prompt_file_problem refused every other directory)
+        if not json.loads((path / SAVED_DATASET).read_text()).get("_data_files"):  # datasets fails on it unnamed
+            raise ValueError(f"prompt dataset {path} holds no records")
+        rows = datasets.load_from_disk(str(path), keep_in_memory=True)
+    elif path.suffix in JSONL_SUFFIXES:
         if _check_jsonl(path, prompt_key) == 0:
             raise ValueError(f"prompt dataset {path} holds no records")
         return datasets.Dataset.from_json(str(path), keep_in_memory=True)
-    import pyarrow.parquet as pq  # .parquet, the one other suffix prompt_file_problem accepts
+    else:  # .parquet, the one other suffix prompt_file_problem accepts
+        import pyarrow.parquet as pq
 
-    if pq.ParquetFile(path).metadata.num_rows == 0:  # datasets fails on it with no reason given
-        raise ValueError(f"prompt dataset {path} holds no records")
-    rows = datasets.Dataset.from_parquet(str(path), keep_in_memory=True)
+        if pq.ParquetFile(path).metadata.num_rows == 0:  # datasets fails on it with no reason given
+            raise ValueError(f"prompt dataset {path} holds no records")
+        rows = datasets.Dataset.from_parquet(str(path), keep_in_memory=True)
     if prompt_key not in rows.column_names:
         raise ValueError(f"{path}: no {prompt_key!r} column (found {rows.column_names}); "
                          f"{_prompt_key_hint(dict.fromkeys(rows.column_names, ''))}")
