@@ -13,6 +13,7 @@ pass@1..K. Generation and scoring run in this process: no Ray, no training engin
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -28,6 +29,8 @@ from rl_core.interfaces import Completion, GenerationBackend, RewardResult
 from rollout.datasets import PromptExample
 
 logger = logging.getLogger("grpo.eval")
+# completions per generate call: a progress bar that moves, and enough rows to keep a vLLM batch full
+CHUNK_COMPLETIONS = 1024
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -118,15 +121,13 @@ def load_eval_inputs(cfg: GRPOConfig, out: Path) -> EvalInputs:
 def evaluate(cfg: GRPOConfig, inputs: EvalInputs, *, samples: int, threshold: float, out: Path) -> dict[str, float]:
     """Generate `samples` completions per validation prompt with cfg's backend, score them with cfg's
     environment; writes one JSON line per completion to `out` and returns the metrics."""
-    from grpo_app.loop import reward_requests, sampling_params
+    from grpo_app.loop import reward_requests
     from rollout.environments import check_reward_failures, create_environment, finite_rewards
 
     prompts, backend = inputs.prompts, inputs.backend
     logger.info("evaluating %s on %d prompts x %d completion(s) (%s)", cfg.policy.model_name, len(prompts), samples,
                 "greedy" if samples == 1 else f"temperature {cfg.generation.temperature}")
-    completions = backend.generate([p.prompt_token_ids for p in prompts],
-                                   sampling_params(cfg, 0, n=samples, greedy=samples == 1))
-    completions.sort(key=lambda c: c.prompt_index)  # stable: a prompt's samples keep their order
+    completions = generate_in_chunks(backend, prompts, cfg, samples)
     env = create_environment(cfg.env.name, **cfg.env.kwargs)
     try:
         requests = reward_requests(prompts, completions, inputs.tokenizer)
@@ -142,6 +143,26 @@ def evaluate(cfg: GRPOConfig, inputs: EvalInputs, *, samples: int, threshold: fl
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, "".join(line + "\n" for line in lines))
     return score_metrics(completions, results, samples, threshold)
+
+
+def generate_in_chunks(backend: GenerationBackend, prompts: list[PromptExample], cfg: GRPOConfig,
+                       samples: int) -> list[Completion]:
+    """`samples` completions per prompt, prompt-major, generated CHUNK_COMPLETIONS at a time under a progress bar
+    (a test set of thousands of prompts is otherwise minutes of silence); each chunk its own seed."""
+    from tqdm import tqdm
+
+    from grpo_app.loop import sampling_params
+
+    per_chunk = max(1, CHUNK_COMPLETIONS // samples)
+    completions: list[Completion] = []
+    with tqdm(total=len(prompts) * samples, desc="eval", unit="completion", disable=None) as bar:
+        for chunk, start in enumerate(range(0, len(prompts), per_chunk)):
+            part = backend.generate([p.prompt_token_ids for p in prompts[start:start + per_chunk]],
+                                    sampling_params(cfg, chunk, n=samples, greedy=samples == 1))
+            part.sort(key=lambda c: c.prompt_index)  # stable: a prompt's samples keep their order
+            completions += [dataclasses.replace(c, prompt_index=start + c.prompt_index) for c in part]
+            bar.update(len(part))
+    return completions
 
 
 def main(argv: list[str] | None = None) -> int:

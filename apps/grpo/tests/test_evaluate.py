@@ -33,7 +33,9 @@ def test_pass_at_k_is_the_share_of_k_subsets_holding_a_solved_completion():
     assert pass_ks(1) == [1] and pass_ks(6) == [1, 2, 4, 6] and pass_ks(8) == [1, 2, 4, 8]
 
 
-def test_greedy_eval_scores_what_hf_generate_scores(tmp_path, capsys):
+@pytest.mark.parametrize("chunk", [1024, 4])  # all 6 prompts in one generate call, or 4 + 2
+def test_greedy_eval_scores_what_hf_generate_scores(tmp_path, capsys, monkeypatch, chunk):
+    monkeypatch.setattr("grpo_app.evaluate.CHUNK_COMPLETIONS", chunk)
     out = tmp_path / "eval.jsonl"
     assert main([*SMALL, "--out", str(out)]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -56,9 +58,11 @@ def test_greedy_eval_scores_what_hf_generate_scores(tmp_path, capsys):
     assert summary["samples"] == 1 and "eval/pass@1" in summary and "eval/pass@2" not in summary
 
 
-@pytest.mark.parametrize("threshold", [0.0, 0.3])
-def test_sampled_eval_reports_pass_at_k_of_its_own_completions(tmp_path, capsys, threshold):
-    """pass@1 is the solved share, pass@K the share of prompts with any solved completion (threshold 0 solves all)."""
+@pytest.mark.parametrize(("threshold", "chunk"), [(0.0, 1024), (0.3, 1024), (0.3, 9)])
+def test_sampled_eval_reports_pass_at_k_of_its_own_completions(tmp_path, capsys, monkeypatch, threshold, chunk):
+    """pass@1 is the solved share, pass@K the share of prompts with any solved completion (threshold 0 solves all);
+    generated in one call or 2 prompts x 4 samples at a time, prompt-major either way."""
+    monkeypatch.setattr("grpo_app.evaluate.CHUNK_COMPLETIONS", chunk)
     out = tmp_path / "eval.jsonl"
     assert main([*SMALL, "--samples", "4", "--threshold", str(threshold), "--out", str(out)]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
