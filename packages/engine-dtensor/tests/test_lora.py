@@ -1,12 +1,13 @@
 """LoRA (`policy.dtensor_cfg.lora_cfg`) against independent computations: at initialisation the model is the
 base model; training moves the adapters only; the export is the float64 merge W + alpha/dim * B @ A that plain
 transformers loads, and the PEFT-format adapter that peft loads onto the base model computes it; the KL reference is
-the base model; FSDP2 over 2 ranks and a resume change nothing."""
+the base model; FSDP2 over 2 ranks, TP=2 (with and without SP) and a resume change nothing."""
 
 from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -202,9 +203,12 @@ def _initial_weights(path: str) -> dict[str, torch.Tensor]:
 ADAMW = {"name": "AdamW", "kwargs": {"lr": 1e-4, "weight_decay": 0.01}}  # as test_parallel (Adam's sign noise)
 
 
-def _two_steps(rank: int, world: int, path: str, batch) -> tuple[list[float], dict | None]:
-    engine = DTensorEngine(_policy(path, optimizer=ADAMW))
-    shard = batch.select(list(range(rank, len(batch), world)))  # uneven lengths per rank on purpose
+def _two_steps(rank: int, world: int, path: str, batch, tp: int = 1) -> tuple[list[float], dict | None]:
+    parallel = {"tensor_parallel_size": tp, "sequence_parallel": True} if tp > 1 else {}
+    engine = DTensorEngine(make_policy(path, train_micro_batch_size=2, optimizer=ADAMW,
+                                       dtensor_cfg={"lora_cfg": LORA, **parallel}))
+    # this DP rank's share, uneven lengths per rank on purpose
+    shard = batch.select(list(range(engine.dp_rank, len(batch), engine.dp_size)))
     losses = [engine.train_batch(shard, ClippedPGLoss())["loss"] for _ in range(2)]
     merged = dict(engine.export_hf_weights())
     return losses, merged if rank == 0 else None
@@ -221,6 +225,21 @@ def test_fsdp_two_ranks_equal_one_rank(ckpt) -> None:
     param_diff = max_abs_diff(merged, ref_merged)
     print(f"LoRA FSDP2 dp=2 vs 1 rank after 2 steps: max|dloss| = {loss_diff:.1e}, max|dmerged| = {param_diff:.1e}")
     assert loss_diff <= 1e-5 and param_diff <= 1e-5
+    assert max_abs_diff(merged, _initial_weights(path)) > 1e-5  # the adapters did move the merged weights
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_fsdp_times_tensor_parallel_on_four_ranks_equals_one_rank(ckpt) -> None:
+    path = ckpt("qwen3")
+    batch = grpo_batch(path)
+    ((ref_losses, ref_merged),) = run_distributed(_two_steps, 1, args=(path, batch))
+    losses, merged = run_distributed(_two_steps, 4, args=(path, batch, 2))[0]  # dp=2 x tp=2, SP
+    loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    param_diff = max_abs_diff(merged, ref_merged)
+    print(f"LoRA dp=2 x tp=2 (SP) vs 1 rank after 2 steps: max|dloss| = {loss_diff:.1e}, "
+          f"max|dmerged| = {param_diff:.1e}")
+    assert loss_diff <= 1e-6 and param_diff <= 1e-6
     assert max_abs_diff(merged, _initial_weights(path)) > 1e-5  # the adapters did move the merged weights
 
 
@@ -259,11 +278,127 @@ def test_checkpoint_resume_is_exact(ckpt, tmp_path) -> None:
     assert changed and all(name.endswith("_proj.weight") for name in changed)
 
 
+def _full(engine: DTensorEngine) -> dict[str, torch.Tensor]:
+    """Full tensors of every parameter, by module name (a collective under FSDP/TP)."""
+    return {name: full_tensor(p).cpu().clone() for name, p in engine.model.named_parameters()}
+
+
+def _tp_run(rank: int, world: int, path: str, batch, out_dir: str, sequence_parallel: bool) -> dict | None:
+    """3 AdamW steps on the whole batch with TP over `world` ranks (1: no TP); save_hf and a checkpoint after
+    them, a fresh engine that loads it, and one more step of both (rank 0's results)."""
+    tp = {"tensor_parallel_size": world, "sequence_parallel": sequence_parallel} if world > 1 else {}
+    policy = make_policy(path, train_micro_batch_size=2, optimizer=ADAMW, dtensor_cfg={"lora_cfg": LORA, **tp})
+    engine = DTensorEngine(policy)
+    out = {"init_lp": engine.compute_logprobs(batch), "before": _full(engine)}
+    out["steps"] = [engine.train_batch(batch, ClippedPGLoss()) for _ in range(3)]
+    out["after"], out["trained_lp"] = _full(engine), engine.compute_logprobs(batch)
+    out["trainable"] = sorted(name for name, p in engine.model.named_parameters() if p.requires_grad)
+    out["export"] = {name: t.cpu() for name, t in engine.export_hf_weights()}
+    engine.save_hf(f"{out_dir}/hf")
+    engine.save_checkpoint(f"{out_dir}/ckpt")
+    resumed = DTensorEngine(policy)
+    resumed.load_checkpoint(f"{out_dir}/ckpt")
+    out["loaded"] = _full(resumed)
+    out["next_losses"] = [e.train_batch(batch, ClippedPGLoss())["loss"] for e in (engine, resumed)]
+    out["continued"], out["resumed"] = _full(engine), _full(resumed)
+    return out if rank == 0 else None
+
+
+TP_LAYOUTS = [("qwen2", False), ("qwen2", True), ("qwen3", True)]  # qwen3: q_norm / k_norm (HeadShardedNorm)
+
+
+@pytest.fixture(scope="module")
+def one_process_runs(ckpt, tmp_path_factory) -> Callable[[str], dict]:
+    """arch -> the 1-process run without TP (`_tp_run`), computed once per arch."""
+    runs: dict[str, dict] = {}
+
+    def get(arch: str) -> dict:
+        if arch not in runs:
+            out_dir = str(tmp_path_factory.mktemp(f"lora-{arch}-1"))
+            (runs[arch],) = run_distributed(_tp_run, 1, args=(ckpt(arch), grpo_batch(ckpt(arch)), out_dir, False))
+            runs[arch]["dir"] = out_dir
+        return runs[arch]
+
+    return get
+
+
+@pytest.fixture(scope="module", params=TP_LAYOUTS, ids=[f"{a}-sp{int(sp)}" for a, sp in TP_LAYOUTS])
+def tp_runs(request, ckpt, one_process_runs, tmp_path_factory) -> dict:
+    """The TP=2 run of one (arch, sequence_parallel) layout beside the 1-process run of its arch."""
+    arch, sequence_parallel = request.param
+    out_dir = str(tmp_path_factory.mktemp(f"lora-{arch}-tp2"))
+    batch = grpo_batch(ckpt(arch))
+    tp, _ = run_distributed(_tp_run, 2, args=(ckpt(arch), batch, out_dir, sequence_parallel))
+    return {"tp": {**tp, "dir": out_dir}, "ref": one_process_runs(arch), "path": ckpt(arch), "batch": batch,
+            "layout": f"{arch} TP=2 sp={sequence_parallel}"}
+
+
+def _split(params: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(adapter parameters, base parameters) of `_full`'s output."""
+    adapters = {n: t for n, t in params.items() if ".lora_" in n}
+    return adapters, {n: t for n, t in params.items() if n not in adapters}
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_training_equals_one_process(tp_runs) -> None:
+    """TP=2 (sharded base and adapters) computes what 1 process without TP computes: the base model at
+    initialisation, then the same losses, adapters and logprobs; only the adapters train, the base stays bitwise."""
+    tp, ref, layout = tp_runs["tp"], tp_runs["ref"], tp_runs["layout"]
+    init_diff = assert_layout_close(tp["init_lp"], hf_reference_logprobs(tp_runs["path"], tp_runs["batch"].input_ids))
+    adapters, base = _split(tp["after"])
+    adapters_before, base_before = _split(tp["before"])
+    assert tp["trainable"] == sorted(adapters) and len(adapters) == 2 * 14  # 7 linears x 2 layers, A and B
+    assert [n for n in base if not torch.equal(base[n], base_before[n])] == []
+    assert max_abs_diff(adapters, adapters_before) > 1e-4  # the steps moved the adapters (lr 1e-4)
+    loss_diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(tp["steps"], ref["steps"]))
+    # the norm of the adapters' gradients (replicated ones counted once, not once per TP rank), clipping's input
+    assert [s["grad_norm"] for s in tp["steps"]] == pytest.approx([s["grad_norm"] for s in ref["steps"]], rel=1e-6)
+    adapter_diff = max_abs_diff(adapters, _split(ref["after"])[0])
+    lp_diff = max_abs_diff(tp["trained_lp"], ref["trained_lp"])
+    print(f"LoRA {layout} vs 1 process: init vs HF max|dlogprob| = {init_diff:.1e}; after 3 steps max|dloss| = "
+          f"{loss_diff:.1e}, max|dadapter| = {adapter_diff:.1e}, max|dlogprob| = {lp_diff:.1e}")
+    assert loss_diff <= 1e-6 and adapter_diff <= 1e-6 and lp_diff <= 1e-5
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_export_and_peft_adapter_equal_one_process(tp_runs) -> None:
+    """The merged export (refit), save_hf's PEFT adapter and the offline checkpoint_to_hf of the TP-sharded
+    checkpoint give the 1-process run's tensors."""
+    from safetensors.torch import load_file
+
+    tp, ref = tp_runs["tp"], tp_runs["ref"]
+    export_diff = max_abs_diff(tp["export"], ref["export"])
+    adapter_file = "hf/adapter/adapter_model.safetensors"
+    peft_tp, peft_ref = (load_file(f"{run['dir']}/{adapter_file}") for run in (tp, ref))
+    peft_diff = max_abs_diff(peft_tp, peft_ref)
+    assert len(peft_tp) == 28
+    tp_config, ref_config = (json.loads(Path(f"{run['dir']}/hf/adapter/adapter_config.json").read_text())
+                             for run in (tp, ref))
+    assert tp_config == ref_config
+    offline = f"{tp['dir']}/offline"
+    DTensorEngine.checkpoint_to_hf(f"{tp['dir']}/ckpt", offline, model_dir=tp_runs["path"])
+    live, exported = load_file(f"{tp['dir']}/hf/model.safetensors"), load_file(f"{offline}/model.safetensors")
+    assert live.keys() == exported.keys() and all(torch.equal(live[n], exported[n]) for n in live)
+    assert all(torch.equal(peft_tp[n], t) for n, t in load_file(f"{offline}/adapter/adapter_model.safetensors").items())
+    print(f"LoRA {tp_runs['layout']} vs 1 process: merged export max|d| = {export_diff:.1e}, "
+          f"PEFT adapter max|d| = {peft_diff:.1e}")
+    assert export_diff <= 1e-6 and peft_diff <= 1e-6
+    assert max_abs_diff(tp["export"], _initial_weights(tp_runs["path"])) > 1e-5  # the merge moved the weights
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_checkpoint_resume_is_exact(tp_runs) -> None:
+    tp = tp_runs["tp"]
+    assert all(torch.equal(tp["loaded"][n], t) for n, t in tp["after"].items())  # adapters and base, full
+    assert tp["next_losses"][0] == tp["next_losses"][1]  # the optimizer state came back too
+    assert all(torch.equal(tp["resumed"][n], t) for n, t in tp["continued"].items())
+
+
 @pytest.mark.parametrize(("lora", "tp", "key"), [
     ({"dim": 0}, 1, "lora_cfg.dim"),
     ({"alpha": 0.0}, 1, "lora_cfg.alpha"),
     ({"dropout": 1.0}, 1, "lora_cfg.dropout"),
-    ({}, 2, "tensor_parallel_size=1"),
+    ({"dropout": 0.1}, 2, "lora_cfg.dropout=0 or tensor_parallel_size=1"),  # one mask per TP group: CUDA only
     ({"droput": 0.1}, 1, "did you mean 'policy.dtensor_cfg.lora_cfg.dropout'"),  # unknown: the closest key
 ])
 def test_config_errors_name_the_key(ckpt, lora: dict, tp: int, key: str) -> None:

@@ -70,10 +70,14 @@ class DTensorConfig:
                 "policy.dtensor_cfg.sequence_parallel=true needs tensor_parallel_size > 1; "
                 "set tensor_parallel_size or turn sequence_parallel off"
             )
-        if self.lora_cfg.enabled and self.tensor_parallel_size > 1:
+        if self.lora_cfg.enabled and self.lora_cfg.dropout > 0 and self.tensor_parallel_size > 1:
+            # a replicated adapter input needs one mask on every TP rank, a sharded one the shards of one mask:
+            # DTensor draws them so only on CUDA (its RNG tracker), untested here, and elsewhere each rank draws
+            # its own
             raise ConfigError(
-                f"policy.dtensor_cfg.lora_cfg.enabled=true runs with FSDP (data parallel) only for now; got "
-                f"tensor_parallel_size={self.tensor_parallel_size}: set policy.dtensor_cfg.tensor_parallel_size=1"
+                f"policy.dtensor_cfg.lora_cfg.dropout={self.lora_cfg.dropout} is not supported with "
+                f"tensor_parallel_size={self.tensor_parallel_size} (the TP ranks would not draw one dropout mask); "
+                "set policy.dtensor_cfg.lora_cfg.dropout=0 or tensor_parallel_size=1"
             )
 
     @property

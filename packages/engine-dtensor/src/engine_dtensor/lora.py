@@ -7,7 +7,8 @@ base weights are loaded, switching the adapters off (the KL reference is the bas
 W + alpha/dim * B @ A that export sends under the base weight's HF name, and the adapters alone with peft's
 adapter_config.json (the PEFT format: peft and vLLM load it on the base model). The base weight keeps its name under
 `<module>.base_layer.` (peft's spelling), which `parallelize.hf_name` drops. Does not own sharding (FSDP2 shards
-adapters and frozen weights in the same per-layer unit) nor checkpoint files (checkpoint.py).
+adapters and frozen weights in the same per-layer unit; TP shards them with their base layer:
+`parallelize.LoRAParallel`) nor checkpoint files (checkpoint.py).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from engine_dtensor.parallelize import decoder_layers, hf_name
 logger = logging.getLogger(__name__)
 
 ADAPTER_NAMES = ("lora_A", "lora_B")
-# Adapter initialisation draws full tensors from this seed in module order on every rank, so that any FSDP
+# Adapter initialisation draws full tensors from this seed in module order on every rank, so that any FSDP / TP
 # layout (and 1 rank) starts from the same A.
 INIT_SEED = 0
 

@@ -2,20 +2,28 @@
 
 Each `apply_*` takes `(model, mesh, cfg)`, mutates the model in place and returns None; `parallelize`
 calls them in a fixed order. The HF model code is never edited: TP is expressed as DTensor
-`parallelize_module` plans keyed by module path. Does not own process groups or the mesh layout
-(parallel_dims.py) nor the forward pass (forward.py).
+`parallelize_module` plans keyed by module path (a LoRA-adapted linear: `LoRAParallel`). Does not own
+process groups or the mesh layout (parallel_dims.py) nor the forward pass (forward.py).
 """
 
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -78,6 +86,55 @@ class HeadShardedNorm(ParallelStyle):
         return distribute_module(module, device_mesh, replicate_params, to_dtensor, to_local)
 
 
+class LoRAParallel(ParallelStyle):
+    """TP of a LoRALinear (lora.py) as one module, given the style its base linear would get alone.
+
+    The module's forward, base(x) + scaling * lora_B(lora_A(dropout(x))), runs on DTensors: the base style's
+    input hook makes x a DTensor (Replicate for colwise, Shard(-1) for rowwise) and its output hook redistributes
+    the sum to the base style's output layout, so both terms leave the module in one layout and the rowwise
+    reduction (all-reduce, or reduce-scatter under SP) is one collective for both. The adapters are sharded so
+    that DTensor propagation gives their term the base term's placement:
+    - colwise base (weight Shard(0), output features sharded): A Replicate, B Shard(0); A's output (B, S, r) is
+      replicated, B's is Shard(-1) like the base's. A's gradient comes out Partial (each rank back-propagates its
+      output features only) and is summed over TP when FSDP2 redistributes it to A's Replicate placement.
+    - rowwise base (weight Shard(1), input features sharded): A Shard(1), B Replicate; A's output is Partial like
+      the base's, B keeps it Partial, and the output hook reduces base and adapter terms together.
+    (Adapters as separate plan entries would each convert between local tensors and DTensors on their own, and
+    the rowwise A's Partial output would need a reduction of its own before B.)"""
+
+    def __init__(self, base_style: ColwiseParallel | RowwiseParallel) -> None:
+        super().__init__()
+        self.base_style = base_style
+        if isinstance(base_style, ColwiseParallel):
+            self.weight_placements: dict[str, Placement] = {"base_layer": Shard(0), "lora_A": Replicate(),
+                                                            "lora_B": Shard(0)}
+            self.desired_input_layouts: tuple[Placement, ...] = (Replicate(),)
+        else:
+            self.weight_placements = {"base_layer": Shard(1), "lora_A": Shard(1), "lora_B": Replicate()}
+            self.desired_input_layouts = (Shard(-1),)
+
+    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        weight_placement = self.weight_placements.get(name)
+        if weight_placement is None:  # the LoRALinear itself, its dropout
+            return
+        for pname, param in list(module.named_parameters(recurse=False)):
+            # a bias (the base's) is sharded where the output features are, else replicated (as torch's styles)
+            placement = weight_placement if pname == "weight" or weight_placement == Shard(0) else Replicate()
+            dist_param = nn.Parameter(distribute_tensor(param, mesh, [placement]), requires_grad=param.requires_grad)
+            module.register_parameter(pname, dist_param)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        style = self.base_style
+        # torch's own input / output hooks of the base style (static methods): the same layouts as a plain linear
+        return distribute_module(
+            module,
+            device_mesh,
+            self._partition,
+            partial(style._prepare_input_fn, style.input_layouts, self.desired_input_layouts),
+            partial(style._prepare_output_fn, style.output_layouts, style.use_local_output),
+        )
+
+
 def _layer_plan(layer: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """Megatron-style column/row split of attention and MLP; with SP, norms work on sequence shards."""
     residual = Shard(1) if sequence_parallel else Replicate()
@@ -90,6 +147,9 @@ def _layer_plan(layer: nn.Module, sequence_parallel: bool) -> dict[str, Parallel
         "mlp.up_proj": ColwiseParallel(),
         "mlp.down_proj": RowwiseParallel(output_layouts=residual),
     }
+    # a linear with a LoRA adapter (lora.LoRALinear: apply_lora runs before TP) is parallelised as one module
+    plan = {name: style if isinstance(layer.get_submodule(name), nn.Linear) else LoRAParallel(style)
+            for name, style in plan.items()}
     if hasattr(layer.self_attn, "q_norm"):
         plan["self_attn.q_norm"] = HeadShardedNorm()
         plan["self_attn.k_norm"] = HeadShardedNorm()
@@ -145,9 +205,14 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, cfg: DTensorConfig) -> None:
     }
     if sp:
         top_plan["model.norm"] = SequenceParallel(use_local_output=True)
+    # SequenceParallel and HeadShardedNorm make new Parameters that require grad: LoRA's frozen norms would train
+    frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
     parallelize_module(model, mesh, top_plan)
     for layer in decoder_layers(model):
         parallelize_module(layer, mesh, _layer_plan(layer, sp))
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
 
 
 def apply_ac(model: nn.Module, mesh: DeviceMesh | None, cfg: DTensorConfig) -> None:
