@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +17,11 @@ from rl_core.checkpoint_io import (
     rng_state,
     set_rng_state,
     verify_manifest,
+    verify_manifest_on_all_ranks,
     write_manifest,
+    write_manifest_on_all_ranks,
 )
+from rl_core.testing.distributed import run_distributed
 
 
 class MarkerPayload:
@@ -83,6 +87,59 @@ def test_manifest_of_many_files_holds_each_files_sha256_and_finds_the_one_change
     changed.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=r"__7_0.distcp does not match its sha256"):
         verify_manifest(tmp_path)
+
+
+def _hash_on_all_ranks(rank: int, world: int, directory: str) -> dict:
+    """Each rank's hashed bytes while writing and verifying the manifest together, and the error each raises once
+    the largest file (hashed by one rank only) has one byte changed."""
+    import torch.distributed as dist
+
+    import rl_core.checkpoint_io as checkpoint_io
+
+    hashed, sha256 = [], checkpoint_io._sha256
+    checkpoint_io._sha256 = lambda path: hashed.append(path.stat().st_size) or sha256(path)
+    write_manifest_on_all_ranks(directory)
+    written = sum(hashed)
+    verify_manifest_on_all_ranks(directory)
+    verified = sum(hashed) - written
+    if rank == 0:
+        largest = max(Path(directory).glob("*.bin"), key=lambda f: f.stat().st_size)
+        data = bytearray(largest.read_bytes())
+        data[-1] ^= 1
+        largest.write_bytes(bytes(data))
+    dist.barrier()
+    try:
+        verify_manifest_on_all_ranks(directory)
+        error = None
+    except CheckpointError as exc:
+        error = str(exc)
+    return {"written": written, "verified": verified, "error": error}
+
+
+def test_ranks_share_the_hashing_and_agree(tmp_path):
+    """Two ranks write the manifest one process writes, each hashing about half the bytes (largest file first to
+    the least loaded rank); a change in a file only rank 0 or 1 hashed is an error on both ranks alike."""
+    import hashlib
+    import json
+
+    sizes = [5 << 20, 4 << 20, 3 << 20, 2 << 20, 1 << 20, 100]
+    rng = random.Random(1)
+    for i, size in enumerate(sizes):
+        (tmp_path / f"shard{i}.bin").write_bytes(rng.randbytes(size))
+    (tmp_path / "nested").mkdir()
+    (tmp_path / "nested/state.json").write_text("{}")
+    write_manifest(tmp_path / "nested")
+    results = run_distributed(_hash_on_all_ranks, 2, args=(str(tmp_path),))
+    listed = json.loads((tmp_path / "MANIFEST.json").read_text())["files"]
+    assert listed.keys() == {*(f"shard{i}.bin" for i in range(6)), "nested/MANIFEST.json"}
+    for name, entry in listed.items():  # hashlib's digest of the file as written (before the change below)
+        if name != "shard0.bin":
+            assert entry["sha256"] == hashlib.sha256((tmp_path / name).read_bytes()).hexdigest()
+    total = sum(sizes) + (tmp_path / "nested/MANIFEST.json").stat().st_size
+    half = (8 << 20) + 4096  # the best split of these sizes (5+2+1 | 4+3 MiB) and the small files
+    assert sum(r["written"] for r in results) == total and max(r["written"] for r in results) <= half
+    assert all(0 < r["verified"] <= half for r in results)
+    assert results[0]["error"] == results[1]["error"] and "shard0.bin does not match its sha256" in results[0]["error"]
 
 
 def test_atomic_dir_publishes_whole_or_nothing(tmp_path):

@@ -72,8 +72,8 @@ def _prepare_tmp(path: str) -> Path:
 
 def _commit(tmp: Path, path: str) -> None:
     _barrier()  # every rank has finished writing
+    checkpoint_io.write_manifest_on_all_ranks(tmp)  # last: its presence says the directory is complete
     if _rank() == 0:
-        checkpoint_io.write_manifest(tmp)  # last: its presence says the directory is complete
         checkpoint_io.publish_dir(tmp, path)
     _barrier()
 
@@ -117,7 +117,7 @@ def _verify_checkpoint(path: str) -> None:
     DCP unpickles its .metadata (a missing .metadata is named too)."""
     if not (Path(path) / ".metadata").exists() and not (Path(path) / checkpoint_io.MANIFEST_FILE).exists():
         raise ValueError(f"{path!r} is not a DTensor engine checkpoint (no DCP .metadata file in it)")
-    checkpoint_io.verify_manifest_on_rank0(path)
+    checkpoint_io.verify_manifest_on_all_ranks(path)
 
 
 def _hyperparameters(optimizer: torch.optim.Optimizer, scheduler: object) -> list[dict[str, object]]:

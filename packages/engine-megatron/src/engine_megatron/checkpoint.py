@@ -160,11 +160,11 @@ def save(path: str, model: Any, optimizer: Any, scheduler: Any,
     with device_context():
         dist_checkpointing.save(_sharded_state(model, optimizer, scheduler, is_loading=False), str(tmp))
     torch.save(_rng_state(), tmp / f"rng_rank{dist.get_rank()}.pt")
+    if dist.get_rank() == 0 and write_side_files is not None:
+        write_side_files(tmp)
     dist.barrier()
+    checkpoint_io.write_manifest_on_all_ranks(tmp)  # last: its presence says the directory is complete
     if dist.get_rank() == 0:
-        if write_side_files is not None:
-            write_side_files(tmp)
-        checkpoint_io.write_manifest(tmp)  # last: its presence says the directory is complete
         checkpoint_io.publish_dir(tmp, final)
     dist.barrier()
     logger.info("saved engine checkpoint to %s", final)
@@ -179,7 +179,7 @@ def load(path: str, model: Any, optimizer: Any, scheduler: Any) -> None:
         raise ValueError(f"{path} is not an engine checkpoint (no metadata.json); pass a directory that "
                          "MegatronEngine.save_checkpoint wrote")
     # before dist_checkpointing reads (and unpickles) anything in it; names a listed file that is missing
-    checkpoint_io.verify_manifest_on_rank0(path)
+    checkpoint_io.verify_manifest_on_all_ranks(path)
     with device_context():
         state = dist_checkpointing.load(_sharded_state(model, optimizer, scheduler, is_loading=True), path)
     missing, unexpected = gpt_model(model).load_state_dict(state["model"], strict=False)

@@ -5,7 +5,7 @@
 - `write_manifest` / `verify_manifest`: `MANIFEST.json`, written last, lists the relative path, size and
   sha256 of every file under a directory. A subdirectory with its own manifest is covered by that
   manifest's checksum (verified recursively), so an engine checkpoint inside a run checkpoint is hashed
-  once. Verifying before loading is what keeps a damaged file from being read, and what protects
+  once. `*_on_all_ranks`: every rank of a process group hashes a share of the files. Verifying before loading is what keeps a damaged file from being read, and what protects
   torch's DCP reader, which unpickles `.metadata`: a checkpoint from elsewhere is code, trust it as such.
 - `recover_publish`: after a crash inside a replacing `publish_dir`, the previous version back in place.
 - `rng_state` / `set_rng_state`: torch (CPU, CUDA) and Python RNG as tensors and plain types.
@@ -149,30 +149,120 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _manifest_entries(root: Path, directory: Path) -> dict[str, dict[str, Any]]:
-    entries = {}
+def _sha256_shared(files: list[Path], collective: bool) -> list[str]:
+    """sha256 of each file. `collective`: every rank of the default process group calls it with the same list and
+    gets all digests, the files shared out by size (a checkpoint is hashed on the critical path of every save and
+    resume, and n ranks, n nodes' disks, read it n times faster than one); a file that cannot be read gets a
+    digest that matches nothing, not an exception that would leave the other ranks waiting in the collective."""
+    if not collective or dist.get_world_size() == 1:
+        return [_readable_sha256(file) for file in files]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    owner = _owners([_size(file) for file in files], world)
+    mine = {i: _readable_sha256(file) for i, file in enumerate(files) if owner[i] == rank}
+    gathered: list[dict[int, str]] = [{} for _ in range(world)]
+    dist.all_gather_object(gathered, mine)
+    digests = {i: digest for part in gathered for i, digest in part.items()}
+    return [digests[i] for i in range(len(files))]
+
+
+def _owners(sizes: list[int], world: int) -> list[int]:
+    """The rank that hashes each file: the largest first, each to the rank with the fewest bytes so far."""
+    load, owner = [0] * world, [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        owner[i] = min(range(world), key=load.__getitem__)
+        load[owner[i]] += sizes[i]
+    return owner
+
+
+def _size(file: Path) -> int:
+    try:
+        return file.stat().st_size
+    except OSError:
+        return 0
+
+
+def _readable_sha256(file: Path) -> str:
+    try:
+        return _sha256(file)
+    except OSError as exc:
+        return f"unreadable: {exc}"
+
+
+def _manifest_files(root: Path, directory: Path) -> list[Path]:
+    """What a manifest of `root` lists: every file below it, a subdirectory with a manifest of its own by that
+    manifest alone (so an engine checkpoint inside a run checkpoint is hashed once)."""
+    files = []
     for item in sorted(directory.iterdir()):
-        if item.is_dir() and (item / MANIFEST_FILE).is_file():  # covered by its own manifest
+        if item.is_dir() and (item / MANIFEST_FILE).is_file():
             item = item / MANIFEST_FILE
         elif item.is_dir():
-            entries.update(_manifest_entries(root, item))
+            files += _manifest_files(root, item)
             continue
         if item.is_file() and item != root / MANIFEST_FILE:
-            entries[item.relative_to(root).as_posix()] = {"size": item.stat().st_size, "sha256": _sha256(item)}
-    return entries
+            files.append(item)
+    return files
 
 
 def write_manifest(directory: str | os.PathLike) -> Path:
     """Write `directory/MANIFEST.json` (size and sha256 of every file); call it after the last file."""
-    directory = Path(directory)
-    path = directory / MANIFEST_FILE
-    atomic_write_text(path, json.dumps({"files": _manifest_entries(directory, directory)}, indent=1))
-    return path
+    return _write_manifest(Path(directory), collective=False)
+
+
+def write_manifest_on_all_ranks(directory: str | os.PathLike) -> Path:
+    """`write_manifest` by every rank of the default process group together: each hashes a share of the files,
+    rank 0 writes (one process alone outside a group)."""
+    return _write_manifest(Path(directory), collective=dist.is_initialized())
 
 
 def verify_manifest(directory: str | os.PathLike) -> None:
-    """Check every file against `directory/MANIFEST.json` (and nested manifests); raise CheckpointError."""
-    directory = Path(directory)
+    """Check every file against `directory/MANIFEST.json` (and nested manifests); raise CheckpointError naming the
+    first damaged file."""
+    _verify_manifest(Path(directory), collective=False)
+
+
+def verify_manifest_on_all_ranks(directory: str | os.PathLike) -> None:
+    """`verify_manifest` by every rank of the default process group together: rank 0 reads the manifests, each
+    rank hashes a share of the files, every rank raises the same error (one process alone outside a group)."""
+    _verify_manifest(Path(directory), collective=dist.is_initialized())
+
+
+def _write_manifest(directory: Path, collective: bool) -> Path:
+    rank0 = not collective or dist.get_rank() == 0
+    box = [_manifest_files(directory, directory) if rank0 else None]
+    if collective:
+        dist.broadcast_object_list(box, src=0)
+    files = box[0]
+    digests = _sha256_shared(files, collective)
+    path = directory / MANIFEST_FILE
+    if rank0:
+        entries = {file.relative_to(directory).as_posix(): {"size": file.stat().st_size, "sha256": digest}
+                   for file, digest in zip(files, digests)}
+        atomic_write_text(path, json.dumps({"files": entries}, indent=1))
+    return path
+
+
+def _verify_manifest(directory: Path, collective: bool) -> None:
+    box: list[Any] = [None, []]
+    if not collective or dist.get_rank() == 0:
+        try:
+            box[1] = _listed_files(directory)
+        except CheckpointError as exc:  # a missing manifest or file, a wrong size: no hashing needed
+            box[0] = str(exc)
+    if collective:
+        dist.broadcast_object_list(box, src=0)
+    problem, listed = box
+    if problem is not None:
+        raise CheckpointError(problem)
+    digests = _sha256_shared([file for file, _, _ in listed], collective)
+    for (file, expected, manifest), digest in zip(listed, digests):
+        if digest != expected:
+            raise CheckpointError(f"{file} does not match its sha256 in {manifest}: the file was changed")
+
+
+def _listed_files(directory: Path) -> list[tuple[Path, str, Path]]:
+    """(file, sha256, manifest) of every file `directory/MANIFEST.json` lists, nested manifests' files instead of
+    those manifests once their own digest matched (their lists are trusted only then); raises CheckpointError for
+    a missing or invalid manifest, a missing file or a wrong size."""
     path = directory / MANIFEST_FILE
     try:
         files = json.loads(path.read_text())["files"]
@@ -180,32 +270,20 @@ def verify_manifest(directory: str | os.PathLike) -> None:
         raise CheckpointError(f"{path} is missing: the checkpoint was not completely written") from None
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{path} is not a valid manifest ({exc})") from None
+    listed = []
     for rel, expected in files.items():
         file = directory / rel
         if not file.is_file():
             raise CheckpointError(f"{file} is missing (listed in {path})")
         if file.stat().st_size != expected["size"]:
             raise CheckpointError(f"{file} has {file.stat().st_size} bytes, the manifest says {expected['size']}")
-        if _sha256(file) != expected["sha256"]:
+        if file.name != MANIFEST_FILE:
+            listed.append((file, expected["sha256"], path))
+        elif _sha256(file) != expected["sha256"]:
             raise CheckpointError(f"{file} does not match its sha256 in {path}: the file was changed")
-        if file.name == MANIFEST_FILE:
-            verify_manifest(file.parent)
-
-
-def verify_manifest_on_rank0(directory: str | os.PathLike) -> None:
-    """`verify_manifest` once per job, not once per rank: rank 0 checks, every rank raises the same error."""
-    if not dist.is_initialized():
-        verify_manifest(directory)
-        return
-    problem = [None]
-    if dist.get_rank() == 0:
-        try:
-            verify_manifest(directory)
-        except CheckpointError as exc:
-            problem = [str(exc)]
-    dist.broadcast_object_list(problem, src=0)
-    if problem[0] is not None:
-        raise CheckpointError(problem[0])
+        else:
+            listed += _listed_files(file.parent)
+    return listed
 
 
 def rng_state() -> dict[str, Any]:
