@@ -20,6 +20,11 @@ PROBES = textwrap.dedent('''
     def hang(*, prompt, completion, metadata):
         time.sleep(600)
 
+    def hang_if_asked(*, prompt, completion, metadata):
+        if metadata.get("hang"):
+            time.sleep(600)
+        return 1.0
+
     def probe(*, prompt, completion, metadata):
         mode = metadata["mode"]
         if mode == "write_outside":
@@ -47,22 +52,40 @@ def probes(tmp_path, monkeypatch):
     return tmp_path
 
 
+WORKER_START_S = 10.0  # a replacement worker's start (spawn, imports), generous for 2 shared cores
+
+
 def req(**metadata) -> RewardRequest:
     return RewardRequest(prompt="p", completion="c", metadata=metadata)
 
 
 @pytest.mark.parametrize("num_workers", [2, 0])
 def test_hanging_function_costs_one_time_limit_per_batch(probes, num_workers):
-    """8 calls that all hang, limit 1 s: the batch ends after ~1 s (per call it would take 4-8 s); with
-    num_workers=0 the call still runs in a subprocess, so the limit holds there too."""
+    """8 calls that all hang, limit 1 s: the batch ends once as many calls overran as there are workers (2 at
+    ~1 s; one worker: its first overrun is replaced, the second ends the batch), where per call it would take
+    4-8 s; with num_workers=0 the call still runs in a subprocess, so the limit holds there too."""
     env = create_environment("function", fn="reward_probes:hang", num_workers=num_workers, timeout_s=1.0)
     try:
         start = time.monotonic()
         results = env.score([req()] * 8)
         elapsed = time.monotonic() - start
-        assert elapsed < 2.5, elapsed
+        assert elapsed < (2.5 if num_workers == 2 else 2.5 + WORKER_START_S), elapsed
         assert all(r.reward == 0.0 and "exceeded 1.0 s" in r.error for r in results)
         assert env.last_metrics["reward/timeouts"] == 8
+    finally:
+        env.close()
+
+
+def test_one_hanging_call_costs_that_call_alone(probes):
+    """A reward that hangs on one pathological completion (as math parsers can): that call is a timeout, its
+    worker is replaced, and the other 7 calls of the batch are scored (before, they all failed with it)."""
+    env = create_environment("function", fn="reward_probes:hang_if_asked", num_workers=2, timeout_s=1.0)
+    try:
+        results = env.score([req(hang=i == 2) for i in range(8)])
+        assert [r.reward for r in results] == [1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+        assert "reward call 2 of this batch exceeded 1.0 s; its worker was replaced" in results[2].error
+        assert env.last_metrics["reward/timeouts"] == 1
+        assert [r.reward for r in env.score([req()] * 4)] == [1.0] * 4  # the replacement scores the next batch
     finally:
         env.close()
 

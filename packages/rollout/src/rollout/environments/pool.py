@@ -1,7 +1,8 @@
 """`RewardPool`: run a reward function in sandboxed worker subprocesses under a time limit.
 
 Owns process management only: a crashed worker (segfault, os._exit, OOM kill) is replaced and that one
-call scores an error; a call that overruns the limit ends its batch (see `RewardPool`). Each worker runs
+call scores an error; a call that overruns the limit is killed the same way, until a batch has had as many
+overruns as the pool has workers, which ends it (see `RewardPool`). Each worker runs
 in a session (process group) of its own, and killing a worker kills the group: processes a reward
 function started (a code-execution reward's program) go with it. Which function runs and how results
 become `RewardResult`s is rollout.environments.base's business; what confines a worker (memory, files,
@@ -149,10 +150,13 @@ def remove_orphaned_pool_dirs() -> int:
 class RewardPool:
     """`num_workers` sandboxed subprocesses (rollout._sandbox) running `fn_path` (pkg.module:function).
 
-    Time limit: each call gets `timeout_s` from when a worker takes it; the first call of a batch to
-    overrun it ends the batch: its worker and every busy one are killed, and the calls not yet scored
-    fail as timeouts. So a function that hangs costs at most `timeout_s` per batch, not per call. A
-    crashed worker's replacement starts in the background; calls wait for a live worker meanwhile.
+    Time limit: each call gets `timeout_s` from when a worker takes it. A call that overruns it scores a
+    timeout and its worker is killed and replaced, the batch going on (a reward that hangs on one
+    pathological completion, as math parsers can, costs that call alone). Once a batch has had as many
+    overruns as there are workers (at least 2), the function is taken to hang on everything: every busy
+    worker is killed and the calls not yet scored fail as timeouts, so such a function costs about
+    `timeout_s` per batch (2 x `timeout_s` and a worker start with one worker), not per call. A
+    replacement starts in the background; calls wait for a live worker meanwhile.
     `num_workers=0` is read as 1: a reward function never runs in the calling process, where a hung call
     could not be stopped.
     """
@@ -213,6 +217,7 @@ class RewardPool:
         idle = list(self._workers)
         busy: dict[Connection, tuple[_Worker, int, float]] = {}
         starting: dict[Connection, _Worker] = {}  # replacements of crashed workers, not ready yet
+        overruns = 0
         while pending or busy:
             while pending and idle:
                 worker, task = idle.pop(), pending.popleft()
@@ -247,9 +252,17 @@ class RewardPool:
                 idle.append(worker)
             now = time.monotonic()
             # A result (or a crash) already waiting in the pipe is read on the next pass, not called late.
-            late = [task for conn, (_, task, deadline) in busy.items() if now >= deadline and not conn.poll()]
-            if late:
-                self._end_batch(late[0], busy, pending, results)
+            late = [conn for conn, (_, _, deadline) in busy.items() if now >= deadline and not conn.poll()]
+            overruns += len(late)
+            if late and overruns >= max(2, self.num_workers):
+                self._end_batch(busy[late[0]][1], busy, pending, results)
+                late = []
+            for conn in late:
+                worker, task, _ = busy.pop(conn)
+                results[task] = CallOutcome("timeout", message=f"reward call {task} of this batch exceeded "
+                                                               f"{self.timeout_s} s; its worker was replaced")
+                fresh = self._replace(worker, "timed out")
+                starting[fresh.conn] = fresh
             for conn, worker in list(starting.items()):
                 if now >= worker.startup_deadline and not conn.poll():
                     del starting[conn]
@@ -276,11 +289,11 @@ class RewardPool:
             return CallOutcome("ok", reward=payload[1], correct=payload[2])
         return CallOutcome("error", message=payload[1])
 
-    def _replace(self, worker: _Worker) -> _Worker:
-        """Kill a crashed worker and start its replacement without waiting for it (see `run`)."""
+    def _replace(self, worker: _Worker, why: str = "crashed") -> _Worker:
+        """Kill a crashed (or overrunning) worker and start its replacement without waiting for it (see `run`)."""
         worker.kill()
         self._workers.remove(worker)
-        logger.warning("replacing crashed reward worker for %s", self.fn_path)
+        logger.warning("replacing %s reward worker for %s", why, self.fn_path)
         return self._start_worker()
 
     def _finish_replacement(self, worker: _Worker, idle: list[_Worker]) -> None:
