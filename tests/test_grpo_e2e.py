@@ -194,6 +194,29 @@ def _comparable(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith("timing/") and "per_s" not in k} for r in records]
 
 
+@pytest.mark.slow
+def test_a_checkpoint_the_engine_finds_damaged_is_skipped_and_the_run_goes_on_from_the_previous(tmp_path):
+    """A changed byte in the newest checkpoint's engine files (sizes right: only the engine's hashes see it, as it
+    loads them): the run starts again from the checkpoint before, and retrains the lost steps as they were."""
+    overrides = ["grpo.max_steps=4", "grpo.val_every=0", "checkpointing.save_every=2", "checkpointing.keep_top_k=5",
+                 "env.num_workers=0", "generation.in_policy_workers=true"]
+    log_dir = tmp_path / "run"
+    first = _comparable(run_grpo(log_dir, *overrides))
+    policy = log_dir / "checkpoints/step_4/policy"
+    largest = max((f for f in policy.rglob("*") if f.is_file() and f.name != "MANIFEST.json"),
+                  key=lambda f: f.stat().st_size)
+    data = bytearray(largest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    largest.write_bytes(bytes(data))
+    resumed = _comparable(run_grpo(log_dir, *overrides[1:], "grpo.max_steps=5"))
+    log = (tmp_path / "run.log").read_text()
+    assert f"the policy found {log_dir / 'checkpoints/step_4'} damaged as it loaded it" in log  # not the driver
+    assert f"checkpoint {log_dir / 'checkpoints/step_4'} is damaged and skipped: {largest}" in log
+    assert f"resumed from {log_dir / 'checkpoints/step_2'} at step 2" in log
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
+    assert resumed[:4] == first  # steps 3 and 4 retrained from step 2's checkpoint as the first run trained them
+
+
 def _kill_when(proc: subprocess.Popen, ckpt_dir: Path, mid_write: bool, delay: float, deadline: float) -> bool:
     """SIGKILL the run's process group once a checkpoint is being written (mid_write) or a new one exists,
     after `delay` seconds; False if the run ended first."""

@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from grpo_app.checkpoint import CheckpointManager, ResumePoint, check_identity, run_identity
+from grpo_app.checkpoint import (
+    POLICY_DIR,
+    CheckpointManager,
+    DamagedOnLoad,
+    ResumePoint,
+    check_identity,
+    run_identity,
+)
 from grpo_app.cluster import Workers, start_ray
 from grpo_app.config import GRPOConfig
 from grpo_app.loop import Run
@@ -126,14 +134,15 @@ def checkpoint_manager(cfg: GRPOConfig) -> CheckpointManager | None:
                              metric=cfg.checkpointing.metric, higher_is_better=cfg.checkpointing.higher_is_better)
 
 
-def find_resume_point(cfg: GRPOConfig) -> ResumePoint | None:
-    """The newest intact checkpoint of this run directory, checked against the config (before Ray starts).
+def find_resume_point(cfg: GRPOConfig, known_damaged: Mapping[Path, str] | None = None) -> ResumePoint | None:
+    """The newest intact checkpoint of this run directory, checked against the config (before Ray starts);
+    `known_damaged`: those an engine found damaged as it loaded them (`DamagedOnLoad`), passed over.
 
     CheckpointError when checkpoints exist but none verifies, or when the config changed the model, the
     engine layout or the task (unless checkpointing.allow_config_change).
     """
     checkpoints = checkpoint_manager(cfg)
-    point = checkpoints.newest_intact() if checkpoints is not None else None
+    point = checkpoints.newest_intact(known_damaged) if checkpoints is not None else None
     if point is not None:
         check_identity(point, run_identity(cfg), allow_change=cfg.checkpointing.allow_config_change)
         if point.step > cfg.grpo.max_steps:  # resuming would rewrite the run's logs and train nothing
@@ -157,7 +166,10 @@ def resume(run: Run, point: ResumePoint | None) -> int:
     """Load the verified checkpoint, if any, and push its weights to the generators; returns the step."""
     if point is None:  # generators loaded the same checkpoint as the policy: nothing to refit yet
         return 0
-    run.workers.load_checkpoint(str(point.path / "policy"))
+    try:
+        run.workers.load_checkpoint(str(point.path / POLICY_DIR))
+    except CheckpointError as exc:  # the engine's own hashes (the driver checked their sizes only); a Ray error
+        raise DamagedOnLoad(point.path, str(getattr(exc, "cause", exc))) from exc  # that is one, by its cause
     run.train_prompts.load_state_dict(point.state["prompts"])
     run.rollouts.restore(point.path, point.step)
     run.workers.refit()

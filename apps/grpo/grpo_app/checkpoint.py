@@ -5,7 +5,9 @@ A checkpoint is `<dir>/step_<N>/` holding `policy/` (written by the engines), `t
 written last; rl_core.checkpoint_io). It is assembled under a temporary name and renamed when complete,
 so a killed run leaves either a whole checkpoint or none. Resuming takes the newest checkpoint that
 verifies against its manifest: a damaged newer one is reported (naming the file) and skipped, and if
-none verifies the run stops with an error rather than starting over. Pruning keeps the `keep_top_k` best
+none verifies the run stops with an error rather than starting over. The engine's files (`policy/`) are
+checked here for presence and size only: the engine hashes them as it loads them, on all its ranks at
+once, and a mismatch it finds sends the run back here for the next older checkpoint (main.py). Pruning keeps the `keep_top_k` best
 by the configured metric, and always the latest; a pruned checkpoint is renamed away before it is deleted.
 """
 
@@ -15,7 +17,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,8 +35,18 @@ from rl_core.checkpoint_io import (
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
+POLICY_DIR = "policy"  # the engine's checkpoint (hashed by the engine when it loads it)
 HF_DIR = "hf"  # the policy as a Hugging Face model directory (checkpointing.save_hf)
 ADAPTERS_KEY = "lora_cfg"  # an engine section's LoRA settings (run_identity)
+
+
+class DamagedOnLoad(Exception):
+    """The engine found a file of checkpoint `path` damaged as it loaded it (a changed byte: the sizes the driver
+    checks were right); the run starts again from the next older checkpoint (main.py)."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path, self.reason = path, reason
 
 
 @dataclass
@@ -71,7 +83,7 @@ class CheckpointManager:
             shutil.rmtree(stale, ignore_errors=True)
         state = {**state, "checkpoint_metric_name": self.metric}  # a score means nothing without its metric
         with atomic_dir(final) as tmp:
-            save_engine(str(tmp / "policy"))
+            save_engine(str(tmp / POLICY_DIR))
             if save_hf is not None:
                 save_hf(str(tmp / HF_DIR))
             (tmp / STATE_FILE).write_text(json.dumps(state, indent=1, allow_nan=False))
@@ -94,19 +106,23 @@ class CheckpointManager:
             raise CheckpointError(f"{file} has no integer 'step'")
         return state
 
-    def newest_intact(self) -> ResumePoint | None:
+    def newest_intact(self, known_damaged: Mapping[Path, str] | None = None) -> ResumePoint | None:
         """The newest checkpoint that verifies (None if there is none at all); damaged ones are warned about.
+        `known_damaged`: checkpoints an engine found damaged as it loaded them (path -> what), passed over.
 
         Raises CheckpointError when checkpoints exist but none is intact: starting from step 0 would
         silently overwrite the run's metrics.
         """
         self._refuse_a_single_checkpoint_as_root()
         self._recover()
+        known_damaged = known_damaged or {}
         damaged = []
         for step in reversed(self.steps()):
             path = self.root / f"step_{step}"
             try:
-                verify_manifest(path)
+                if path in known_damaged:
+                    raise CheckpointError(known_damaged[path])
+                verify_manifest(path, sizes_only_under=(POLICY_DIR,))
                 return ResumePoint(path, self.load_state(path))
             except CheckpointError as exc:
                 logger.warning("checkpoint %s is damaged and skipped: %s", path, exc)

@@ -22,7 +22,7 @@ import ray
 import yaml
 
 from grpo_app.build import RunInputs, checkpoint_manager, find_resume_point, load_inputs
-from grpo_app.checkpoint import ResumePoint, check_prompts
+from grpo_app.checkpoint import DamagedOnLoad, ResumePoint, check_prompts
 from grpo_app.config import GRPOConfig, load_config
 from grpo_app.preflight import preflight
 from rl_core.config import ConfigError, to_dict
@@ -149,12 +149,27 @@ def main(argv: list[str] | None = None) -> int:
     try:  # everything a run reads is checked here, before Ray or any worker starts
         cfg = preflight(load_config(args.config, args.overrides))
         inputs = load_inputs(cfg)
-        resume_point = find_resume_point(cfg)
-        if resume_point is not None:
-            check_prompts(resume_point, inputs.train, allow_change=cfg.checkpointing.allow_config_change)
-    except (ConfigError, FileNotFoundError, ValueError) as exc:  # CheckpointError is a ValueError
+    except (ConfigError, FileNotFoundError, ValueError) as exc:
         logger.error("%s", exc)
         return 2
+    known_damaged: dict[Path, str] = {}  # checkpoints an engine found damaged as it loaded them
+    while True:
+        try:
+            resume_point = find_resume_point(cfg, known_damaged)
+            if resume_point is not None:
+                check_prompts(resume_point, inputs.train, allow_change=cfg.checkpointing.allow_config_change)
+        except (ConfigError, ValueError) as exc:  # CheckpointError is a ValueError
+            logger.error("%s", exc)
+            return 2
+        try:
+            return _train(cfg, inputs, resume_point)
+        except DamagedOnLoad as exc:  # Ray is down again: the next older checkpoint, as if found damaged first
+            logger.warning("the policy found %s damaged as it loaded it; looking for an older checkpoint", exc.path)
+            known_damaged[exc.path] = exc.reason
+
+
+def _train(cfg: GRPOConfig, inputs: RunInputs, resume_point: ResumePoint | None) -> int:
+    """`run_training`, its failures as one line and an exit code; DamagedOnLoad passes through."""
     try:
         run_training(cfg, inputs, resume_point)
     except ConfigError as exc:  # found only once Ray runs (e.g. cluster.address answers but is no Ray)

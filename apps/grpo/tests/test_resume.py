@@ -58,10 +58,11 @@ def corrupt_json(file: Path) -> None:
     file.write_text(file.read_text()[:-3] + "}}")  # same kind of damage a torn write leaves
 
 
-DAMAGES = [(rel, damage) for rel in ("policy/__0_0.distcp", "policy/.metadata", "policy/extra_rank0.pt",
-                                     "trainer_state.json")
-           for damage in (delete, truncate, flip_byte)]
-DAMAGES += [("trainer_state.json", corrupt_json), ("MANIFEST.json", delete), ("policy/MANIFEST.json", delete)]
+POLICY_FILES = ("policy/__0_0.distcp", "policy/.metadata", "policy/extra_rank0.pt")
+# what the driver finds; a changed byte in policy/ is the engine's to find as it loads (next tests)
+DAMAGES = [(rel, damage) for rel in POLICY_FILES for damage in (delete, truncate)]
+DAMAGES += [("trainer_state.json", damage) for damage in (delete, truncate, flip_byte, corrupt_json)]
+DAMAGES += [("MANIFEST.json", delete), ("policy/MANIFEST.json", delete), ("policy/MANIFEST.json", flip_byte)]
 
 
 @pytest.mark.parametrize(("rel", "damage"), DAMAGES, ids=[f"{d.__name__}-{r}" for r, d in DAMAGES])
@@ -73,6 +74,65 @@ def test_damaged_latest_checkpoint_falls_back_to_newest_intact(tmp_path, caplog,
     assert point.path == tmp_path / "step_1" and point.step == 1
     warning = "\n".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
     assert "step_2" in warning and Path(rel).name in warning
+
+
+@pytest.mark.parametrize("rel", POLICY_FILES)
+def test_a_changed_byte_in_the_engine_files_is_left_to_the_engine_then_skipped(tmp_path, caplog, rel):
+    """The driver checks the engine's files for presence and size only (the engine hashes them as it loads them,
+    on all its ranks, so they are not hashed twice); what the engine then finds passes that checkpoint over."""
+    manager = save_two(tmp_path)
+    flip_byte(tmp_path / "step_2" / rel)
+    assert manager.newest_intact().step == 2
+    with pytest.raises(CheckpointError, match=Path(rel).name) as found:  # what the engine's load runs first
+        verify_manifest(tmp_path / "step_2" / "policy")
+    with caplog.at_level(logging.WARNING):
+        point = manager.newest_intact({tmp_path / "step_2": str(found.value)})
+    assert point.step == 1
+    assert f"checkpoint {tmp_path / 'step_2'} is damaged and skipped: " in caplog.text and Path(rel).name in caplog.text
+
+
+def test_a_checkpoint_the_engine_finds_damaged_restarts_the_run_from_the_previous_one(tmp_path, caplog, monkeypatch):
+    """Through the CLI entry point: the engine's load (inside run_training) finds step_2 damaged; the run starts
+    again from step_1, with the same config and inputs."""
+    import grpo_app.build as build
+    import grpo_app.main as cli
+    from grpo_app.checkpoint import DamagedOnLoad
+
+    monkeypatch.setattr(cli, "preflight", lambda cfg: cfg)  # the model and prompts are not what is tested
+    monkeypatch.setattr(cli, "load_inputs", lambda cfg: SimpleNamespace(train=None))
+    monkeypatch.setattr(cli, "check_prompts", lambda *args, **kwargs: None)
+    monkeypatch.setattr(build, "check_identity", lambda *args, **kwargs: None)
+    started = []
+
+    def load_the_checkpoint(cfg, inputs, point):  # what build.resume does with an engine that finds a bad hash
+        started.append(point.step)
+        if point.step == 2:
+            raise DamagedOnLoad(point.path, "policy/__0_0.distcp does not match its sha256")
+
+    monkeypatch.setattr(cli, "run_training", load_the_checkpoint)
+    log_dir = tmp_path / "run"
+    save_two(log_dir / "checkpoints")
+    with caplog.at_level(logging.WARNING):
+        assert cli.main([f"logger.log_dir={log_dir}", "grpo.max_steps=4"]) == 0
+    assert started == [2, 1]
+    assert f"checkpoint {log_dir / 'checkpoints/step_2'} is damaged and skipped: policy/__0_0.distcp" in caplog.text
+
+
+def test_resume_turns_the_engines_hash_error_into_a_restart_from_an_older_checkpoint(tmp_path):
+    """build.resume: a CheckpointError from the policy's load (a Ray error that is one by its cause) names the
+    checkpoint, for main to pass over."""
+    from grpo_app.build import resume
+    from grpo_app.checkpoint import DamagedOnLoad
+
+    def load_checkpoint(path: str) -> None:
+        verify_manifest(path)  # as the engines do first
+
+    save_two(tmp_path)
+    flip_byte(tmp_path / "step_2/policy/.metadata")
+    run = SimpleNamespace(workers=SimpleNamespace(load_checkpoint=load_checkpoint))
+    with pytest.raises(DamagedOnLoad) as damaged:
+        resume(run, ResumePoint(tmp_path / "step_2", {"step": 2}))
+    assert damaged.value.path == tmp_path / "step_2" and ".metadata does not match its sha256" in damaged.value.reason
 
 
 def test_no_intact_checkpoint_is_an_error_not_a_fresh_start(tmp_path):

@@ -89,6 +89,25 @@ def test_manifest_of_many_files_holds_each_files_sha256_and_finds_the_one_change
         verify_manifest(tmp_path)
 
 
+def test_sizes_only_under_a_subdirectory_leaves_its_bytes_to_its_loader_but_not_its_sizes_or_manifest(tmp_path):
+    (tmp_path / "policy").mkdir()
+    (tmp_path / "policy/weights.bin").write_bytes(b"w" * 100)
+    write_manifest(tmp_path / "policy")
+    (tmp_path / "state.json").write_text("{}")
+    write_manifest(tmp_path)
+    (tmp_path / "policy/weights.bin").write_bytes(b"x" + b"w" * 99)  # same size: the loader's to find
+    verify_manifest(tmp_path, sizes_only_under=("policy",))
+    with pytest.raises(CheckpointError, match="weights.bin does not match its sha256"):
+        verify_manifest(tmp_path)
+    (tmp_path / "policy/weights.bin").write_bytes(b"w" * 99)
+    with pytest.raises(CheckpointError, match="weights.bin has 99 bytes, the manifest says 100"):
+        verify_manifest(tmp_path, sizes_only_under=("policy",))
+    (tmp_path / "policy/weights.bin").write_bytes(b"w" * 100)
+    (tmp_path / "state.json").write_text("[]")  # outside the subdirectory: hashed
+    with pytest.raises(CheckpointError, match="state.json does not match its sha256"):
+        verify_manifest(tmp_path, sizes_only_under=("policy",))
+
+
 def _hash_on_all_ranks(rank: int, world: int, directory: str) -> dict:
     """Each rank's hashed bytes while writing and verifying the manifest together, and the error each raises once
     the largest file (hashed by one rank only) has one byte changed."""

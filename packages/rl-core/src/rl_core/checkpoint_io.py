@@ -214,10 +214,11 @@ def write_manifest_on_all_ranks(directory: str | os.PathLike) -> Path:
     return _write_manifest(Path(directory), collective=dist.is_initialized())
 
 
-def verify_manifest(directory: str | os.PathLike) -> None:
+def verify_manifest(directory: str | os.PathLike, *, sizes_only_under: tuple[str, ...] = ()) -> None:
     """Check every file against `directory/MANIFEST.json` (and nested manifests); raise CheckpointError naming the
-    first damaged file."""
-    _verify_manifest(Path(directory), collective=False)
+    first damaged file. The files below the subdirectories `sizes_only_under` are checked for presence and size
+    only (their nested manifest is still hashed): for a reader whose loader hashes them anyway, on all its ranks."""
+    _verify_manifest(Path(directory), collective=False, sizes_only_under=sizes_only_under)
 
 
 def verify_manifest_on_all_ranks(directory: str | os.PathLike) -> None:
@@ -241,11 +242,13 @@ def _write_manifest(directory: Path, collective: bool) -> Path:
     return path
 
 
-def _verify_manifest(directory: Path, collective: bool) -> None:
+def _verify_manifest(directory: Path, collective: bool, sizes_only_under: tuple[str, ...] = ()) -> None:
     box: list[Any] = [None, []]
     if not collective or dist.get_rank() == 0:
         try:
-            box[1] = _listed_files(directory)
+            skipped = [directory / sub for sub in sizes_only_under]
+            box[1] = [item for item in _listed_files(directory)
+                      if not any(item[0].is_relative_to(sub) for sub in skipped)]
         except CheckpointError as exc:  # a missing manifest or file, a wrong size: no hashing needed
             box[0] = str(exc)
     if collective:
