@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpo_app.checkpoint import STATE_FILE, CheckpointManager, run_identity
+from grpo_app.checkpoint import POLICY_DIR, STATE_FILE, CheckpointManager, run_identity
 from grpo_app.config import GRPOConfig, load_config
 from grpo_app.preflight import resolve_model
 from rl_core.checkpoint_io import verify_manifest
@@ -55,14 +55,15 @@ def plan_export(path: Path, config: str | None, out: str | None) -> tuple[Export
     if not path.is_dir():
         raise ValueError(f"{path} does not exist: pass a run directory (logger.log_dir) or one of its "
                          "checkpoints/step_N")
-    is_checkpoint = (path / STATE_FILE).is_file() or (path / "policy").is_dir()
+    is_checkpoint = (path / STATE_FILE).is_file() or (path / POLICY_DIR).is_dir()
     config_file = Path(config) if config else (path.parent.parent if is_checkpoint else path) / CONFIG_FILE
     if not config_file.is_file():
         raise ValueError(f"{config_file} is missing: pass the run's resolved config with --config FILE (the "
                          "config.yaml a run writes into its logger.log_dir)")
     cfg = load_config(config_file)
     if is_checkpoint:
-        verify_manifest(path)  # CheckpointError (a ValueError) names the damaged file
+        # CheckpointError (a ValueError) names the damaged file; the engine's checkpoint_to_hf hashes policy/
+        verify_manifest(path, sizes_only_under=(POLICY_DIR,))
         checkpoint = path
     else:
         checkpoint = _newest_intact(cfg, path)
@@ -123,7 +124,7 @@ def export(plan: ExportPlan, cfg: GRPOConfig) -> None:
                          "(checkpointing.save_hf, or its save_hf on the run's layout)")
     logger.info("exporting %s (engine '%s', model %s) to %s", plan.checkpoint, policy.engine_name,
                 policy.model_name, plan.out)
-    engine_cls.checkpoint_to_hf(str(plan.checkpoint / "policy"), str(plan.out), model_dir=policy.model_name)
+    engine_cls.checkpoint_to_hf(str(plan.checkpoint / POLICY_DIR), str(plan.out), model_dir=policy.model_name)
     logger.info("exported: %s (loads with transformers.AutoModelForCausalLM.from_pretrained and vLLM)", plan.out)
 
 

@@ -144,7 +144,12 @@ def test_export_refusals_exit_2_naming_the_fix(trained_run, caplog, tmp_path, mo
     assert code == 0 and (tmp_path / "o1/config.json").is_file()
 
     victim = next((run / "checkpoints/step_1/policy").glob("*.distcp"))
-    victim.write_bytes(victim.read_bytes()[:64])  # truncated
+    intact = victim.read_bytes()
+    victim.write_bytes(intact[:100] + bytes([intact[100] ^ 1]) + intact[101:])  # one changed byte: the engine's
+    for path in (run, run / "checkpoints/step_1"):                                # checkpoint_to_hf hashes it
+        code, line = _export(caplog, str(path), "--out", str(tmp_path / "o2"))
+        assert code == 2 and f"{victim.name} does not match its sha256" in line
+    victim.write_bytes(intact[:64])  # truncated
     code, line = _export(caplog, str(run), "--out", str(tmp_path / "o2"))
     assert code == 2 and "no intact checkpoint" in line and victim.name in line
     code, line = _export(caplog, str(run / "checkpoints/step_1"), "--out", str(tmp_path / "o2"))
