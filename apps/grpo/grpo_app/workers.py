@@ -44,8 +44,13 @@ def peak_gpu_memory() -> dict[str, float]:
 
 
 def _setup_process(num_threads: int) -> None:
+    from transformers.utils import logging as hf_logging
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     torch.set_num_threads(max(1, num_threads))
+    # transformers' bars (loading weights) from every rank would interleave in the driver's log, where Ray turns
+    # each redraw into a line of its own (the driver logs when the workers are up)
+    hf_logging.disable_progress_bar()
 
 
 class GeneratorHost:
