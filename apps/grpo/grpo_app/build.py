@@ -31,13 +31,15 @@ logger = logging.getLogger(__name__)
 
 
 def load_prompts(cfg: GRPOConfig, tokenizer: Any, split: str) -> list[PromptExample]:
-    """Prompts from env.{train,val}_data files, else from the built-in task's generator."""
+    """Prompts from env.{train,val}_data (files or Hub datasets), else from the built-in task's generator."""
     env = cfg.env
     path = env.train_data if split == "train" else env.val_data
     render = {"prompt_key": env.prompt_key, "apply_chat_template": env.use_chat_template,
               "system_prompt": env.system_prompt, "answer_key": env.answer_key}
     if path is not None:
-        examples = load_prompt_dataset(path, tokenizer, **render)
+        part = ({"split": env.train_split, "subset": env.train_subset} if split == "train"
+                else {"split": env.val_split, "subset": env.val_subset})  # of a Hub dataset
+        examples = load_prompt_dataset(path, tokenizer, **part, **render)
         check_prompt_fields(examples, env.name, f"env.{split}_data={path}")
     else:
         num = env.num_generated_train_prompts if split == "train" else cfg.grpo.num_val_prompts

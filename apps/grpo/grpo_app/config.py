@@ -103,9 +103,17 @@ class EnvConfig:
     # reward worker actors (each with its own scoring subprocess pool); 0: the driver hosts the environment
     # (its subprocess pool still isolates the reward code), one process less for cheap rewards
     num_workers: int = 1
-    # Prompts: local JSONL/Parquet files, or (for a built-in task, when unset) the task's own generator.
+    # Prompts: local JSONL/Parquet files, a Hugging Face Hub dataset (a name `owner/name`, or the directory `hf
+    # download --repo-type dataset` wrote), or (for a built-in task, when unset) the task's own generator.
     train_data: str | None = None
     val_data: str | None = None
+    # A Hub dataset's split and subset (the Hub's "config name", GSM8K's main), one pair per dataset since the two may
+    # be different datasets: TRL's dataset_train_split / dataset_test_split / dataset_config, NeMo-RL's split / subset.
+    # "test": what GSM8K and MATH call their held-out split. A file is one split: set there, they are an error.
+    train_split: str = "train"
+    val_split: str = "test"
+    train_subset: str | None = None
+    val_subset: str | None = None
     prompt_key: str = "prompt"
     # the field of the reference answer (metadata "answer"); a dotted path reads nested fields, as verl's data
     # keeps it: reward_model.ground_truth (NeMo-RL's output_key)

@@ -3,8 +3,9 @@
 Resolves `tiny:<arch>` model names to a locally built, cached tiny checkpoint (the CPU default), and
 checks what would otherwise fail minutes later inside a Ray actor: counts and sizes, the engine layout
 against `cluster.train_world_size`, the optimizer, `generation.backend_kwargs` and `env.kwargs` against
-the constructors they are passed to (and the backend's own value rules, `check_options`), the model
-directory (grpo_app.model_check) and `cluster.address`.
+the constructors they are passed to (and the backend's own value rules, `check_options`), the prompt datasets
+(a Hub dataset's split and subset from its file listing), the model directory (grpo_app.model_check) and
+`cluster.address`.
 Every failure is a ConfigError naming the key or file and the fix; main() turns it into exit code 2.
 """
 
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from grpo_app.checkpoint import HF_DIR, STATE_FILE
-from grpo_app.config import GRPOConfig
+from grpo_app.config import EnvConfig, GRPOConfig
 from grpo_app.devices import check_hardware, detect_hardware
 from grpo_app.model_check import check_model_dir
 from grpo_app.model_shapes import SHAPE_PREFIX, cached_shape_checkpoint
@@ -310,24 +311,21 @@ def _hf_copies(path: Path) -> list[Path]:
 def check_environment(cfg: GRPOConfig, *, training: bool = True) -> None:
     """`env.*`: a registered environment whose constructor accepts `env.kwargs`, and prompts to train on (with
     `training=False`, as `eval` runs: validation prompts only, whatever grpo.val_every says)."""
-    from rollout.datasets import prompt_file_problem
     from rollout.environments import environment_factory, environment_names, toy_prompts
     from rollout.rewards.toy import TOY_TASKS
 
     if cfg.env.name not in environment_names():
         raise ConfigError(f"env.name={cfg.env.name!r} is not known; choose one of {environment_names()}")
     check_kwargs(environment_factory(cfg.env.name), cfg.env.kwargs, "env.kwargs")
-    for key in ("train_data", "val_data"):
-        path = getattr(cfg.env, key)
-        problem = None if path is None else prompt_file_problem(path)
-        if problem:
-            raise ConfigError(f"env.{key}={path!r}: {problem}")
+    check_prompt_data(cfg.env, "train")
+    check_prompt_data(cfg.env, "val")
     needs_train, needs_val = training, bool(cfg.grpo.val_every) or not training
     if (needs_train and cfg.env.train_data is None) or (needs_val and cfg.env.val_data is None):
         if cfg.env.name not in TOY_TASKS:
             if needs_train and cfg.env.train_data is None:
                 raise ConfigError(f"env.name={cfg.env.name!r} has no built-in prompts; set env.train_data and "
-                                  "env.val_data to local prompt files (or grpo.val_every=0 for no validation)")
+                                  "env.val_data to local prompt files or Hugging Face Hub datasets (or "
+                                  "grpo.val_every=0 for no validation)")
             if not training:
                 raise ConfigError(f"env.name={cfg.env.name!r} has no built-in prompts to evaluate on; set "
                                   "env.val_data to a local prompt file")
@@ -339,6 +337,29 @@ def check_environment(cfg: GRPOConfig, *, training: bool = True) -> None:
             toy_prompts(cfg.env.name, 1, **cfg.env.prompt_kwargs)
         except ValueError as exc:
             raise ConfigError(f"env.prompt_kwargs: {exc}") from exc
+
+
+def check_prompt_data(env: EnvConfig, role: Literal["train", "val"]) -> None:
+    """`env.{role}_data` is a prompt dataset rollout reads: for a Hub dataset, its split and subset are there (found
+    from its file listing, no data read); a file, one split read whole, leaves them at their defaults (else the run
+    would silently train or validate on something other than the split asked for)."""
+    from rollout.datasets import is_hub_dataset, prompt_data_problem
+
+    path, split, subset = (getattr(env, f"{role}_{name}") for name in ("data", "split", "subset"))
+    if path is None:
+        return
+    hub = is_hub_dataset(path)
+    problem = prompt_data_problem(path, split=split, subset=subset)
+    if problem:
+        keys = f" (env.{role}_split={split!r}, env.{role}_subset={subset!r})" if hub else ""
+        raise ConfigError(f"env.{role}_data={path!r}{keys}: {problem}")
+    defaults = {f.name: f.default for f in dataclasses.fields(EnvConfig)}
+    for key, value in ((f"{role}_split", split), (f"{role}_subset", subset)):
+        if not hub and value != defaults[key]:
+            reset = "" if defaults[key] is None else defaults[key]
+            raise ConfigError(f"env.{key}={value!r} picks part of a Hugging Face Hub dataset, but env.{role}_data="
+                              f"{path!r} is one file (or save_to_disk directory), read whole; set env.{key}={reset} "
+                              f"(its default), or point env.{role}_data at the Hub dataset (a name or a directory)")
 
 
 def check_engine_takes_model(engine_cls: type, policy: PolicyConfig) -> None:

@@ -1,5 +1,8 @@
-"""Prompt datasets: local JSONL (or a .json array) / Parquet files, or a directory `datasets`' save_to_disk wrote,
-read through Hugging Face `datasets` (never downloaded).
+"""Prompt datasets: local JSONL (or a .json array) / Parquet files, a directory `datasets`' save_to_disk wrote, or a
+Hugging Face Hub dataset (a directory in the Hub's repository layout, as `hf download --repo-type dataset` writes
+it, or a name `owner/name` that is no local path), read through Hugging Face `datasets`. A Hub dataset goes
+through `datasets.load_dataset(source, subset, split=...)`, so a name is read by the same code as a downloaded
+directory; `datasets`' Arrow files go to a scratch directory, dropped once the rows are in memory.
 
 Each row holds a prompt under `prompt_key` (a string, or a list of chat messages {"role", "content"});
 every other column becomes the example's metadata (e.g. "answer" for the math environment; `answer_key` takes it
@@ -13,7 +16,10 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import tempfile
 from collections.abc import Iterable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +30,8 @@ ANSWER = "answer"  # the metadata field of the reference answer (the math enviro
 SAVED_DATASET, SAVED_DATASET_DICT = "state.json", "dataset_dict.json"  # what datasets' save_to_disk writes
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+# a Hub dataset id, `owner/name`; a path such as ./data/x or runs/p.jsonl is never taken for one
+HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 
 @dataclass(kw_only=True)
@@ -115,19 +123,31 @@ def prompt_problem(prompt: Any) -> str | None:
             'messages {"role": ..., "content": ...}')
 
 
-def prompt_file_problem(path: str | Path) -> str | None:
-    """Why `path` is not a prompt dataset this module reads (missing, another kind of directory); None if it is a
-    file, or a `datasets` Dataset saved with `save_to_disk`."""
+def is_hub_dataset(path: str | Path) -> bool:
+    """`path` is read by `datasets.load_dataset`: a directory save_to_disk did not write (the Hub's repository
+    layout: train.jsonl, data/train-00000-of-00001.parquet, main/test-*.parquet under a README declaring `configs:`),
+    or a Hub name `owner/name` that is no local path. The string as given: Path("./a/b") would read "a/b"."""
+    local = Path(path)
+    if local.is_dir():
+        return not ((local / SAVED_DATASET).is_file() or (local / SAVED_DATASET_DICT).is_file())
+    return (not local.exists() and HUB_NAME.fullmatch(str(path)) is not None
+            and local.suffix not in (*JSONL_SUFFIXES, ".parquet"))
+
+
+def prompt_data_problem(path: str | Path, *, split: str = "train", subset: str | None = None) -> str | None:
+    """Why `path` is not a prompt dataset this module reads (missing, another kind of directory, a Hub dataset
+    without that split or subset); None if it is one. `split` and `subset` apply to Hub datasets only: a file or a
+    save_to_disk directory is one split."""
+    if is_hub_dataset(path):
+        return _hub_problem(str(path), split, subset)
     path = Path(path)
     if path.is_dir():
         if (path / SAVED_DATASET).is_file():
             return None
-        if (path / SAVED_DATASET_DICT).is_file():  # save_to_disk of a DatasetDict: one subdirectory per split
-            splits = json.loads((path / SAVED_DATASET_DICT).read_text()).get("splits", [])
-            return (f"prompt dataset {path} is a saved DatasetDict; point at one of its splits: "
-                    f"{', '.join(str(path / split) for split in splits)}")
-        return (f"prompt dataset {path} is a directory; expected a local .jsonl or .parquet file or a directory that "
-                "datasets' save_to_disk wrote (write a datasets.Dataset with .to_json(path) or .to_parquet(path))")
+        # save_to_disk of a DatasetDict: one subdirectory per split (is_hub_dataset took every other directory)
+        splits = json.loads((path / SAVED_DATASET_DICT).read_text()).get("splits", [])
+        return (f"prompt dataset {path} is a saved DatasetDict; point at one of its splits: "
+                f"{', '.join(str(path / split) for split in splits)}")
     if not path.is_file():
         return f"prompt dataset {path} does not exist (expected a local .jsonl or .parquet file)"
     if path.suffix not in (*JSONL_SUFFIXES, ".parquet"):
@@ -136,30 +156,91 @@ def prompt_file_problem(path: str | Path) -> str | None:
     return None
 
 
-def _read_rows(path: Path, prompt_key: str) -> Any:
+def _scratch_cache() -> AbstractContextManager[str]:
+    """Where `datasets` writes its Arrow files and locks while it reads (else ~/.cache/huggingface/datasets);
+    removed on exit, after the rows were read into memory (keep_in_memory=True)."""
+    return tempfile.TemporaryDirectory(prefix="prompt-dataset-")
+
+
+def _hub_problem(source: str, split: str, subset: str | None) -> str | None:
+    """Why `datasets.load_dataset(source, subset, split=split)` would fail, found from the dataset's file listing
+    (`load_dataset_builder`, which reads no data): no data files, no such dataset or no Hub to ask, a subset to
+    choose, no such split."""
     import datasets
 
-    problem = prompt_file_problem(path)
+    try:
+        with _scratch_cache() as cache:
+            builder = datasets.load_dataset_builder(source, subset, cache_dir=cache)
+    except (ConnectionError, FileNotFoundError) as exc:  # DatasetNotFoundError, EmptyDatasetError among them
+        return _not_found(source, exc)
+    except ValueError as exc:  # "Config name is missing", "BuilderConfig 'x' not found"
+        return _subset_problem(source, subset) or f"prompt dataset {source}: {exc}"
+    splits = [str(name) for name in builder.config.data_files or ()]
+    if split not in splits:
+        of = f", subset {builder.config.name!r}," if subset else ""
+        return f"prompt dataset {source}{of} has no split {split!r}; choose the split among {splits}"
+    return None
+
+
+def _subset_problem(source: str, subset: str | None) -> str | None:
+    """The subsets (the Hub's configs, e.g. GSM8K's 'main' and 'socratic') to choose from, when `subset` is none
+    of them or is unset and there are several."""
+    import datasets
+
+    subsets = datasets.get_dataset_config_names(source)
+    if subset is None and len(subsets) > 1:
+        return f"prompt dataset {source} has several subsets, {subsets}, and none is chosen; choose the subset"
+    if subset is not None and subset not in subsets:
+        return f"prompt dataset {source} has no subset {subset!r}; choose the subset among {subsets}"
+    return None
+
+
+def _not_found(source: str, exc: Exception) -> str:
+    """A Hub-layout directory without data files, or a name neither local nor found on the Hub: how to get it."""
+    if Path(source).is_dir():
+        return (f"prompt dataset {source} is a directory; expected a local .jsonl or .parquet file or a directory that "
+                "datasets' save_to_disk wrote, or one in the Hugging Face Hub's layout (train.jsonl, "
+                "data/train-00000-of-00001.parquet, ...), and it holds no data files (write a datasets.Dataset with "
+                ".to_json(path) or .to_parquet(path))")
+    reason = "could not be reached" if isinstance(exc, ConnectionError) else f"has no dataset {source!r}"
+    local = source.split("/")[-1]
+    return (f"prompt dataset {source!r} is not a local file or directory, and the Hugging Face Hub {reason} ({exc}); "
+            f"download it where the Hub is reachable, `hf download --repo-type dataset {source} --local-dir {local}` "
+            f"(huggingface-cli download before huggingface_hub 1.0), and point at that directory: {local}")
+
+
+def _read_rows(path: str | Path, prompt_key: str, split: str, subset: str | None) -> Any:
+    problem = prompt_data_problem(path, split=split, subset=subset)
     if problem:
         raise ValueError(problem)
-    if path.is_dir():  # a saved Dataset (prompt_file_problem refused every other directory)
-        if not json.loads((path / SAVED_DATASET).read_text()).get("_data_files"):  # datasets fails on it unnamed
-            raise ValueError(f"prompt dataset {path} holds no records")
-        rows = datasets.load_from_disk(str(path), keep_in_memory=True)
-    elif path.suffix in JSONL_SUFFIXES:
-        if _check_jsonl(path, prompt_key) == 0:
-            raise ValueError(f"prompt dataset {path} holds no records")
-        return datasets.Dataset.from_json(str(path), keep_in_memory=True)
-    else:  # .parquet, the one other suffix prompt_file_problem accepts
-        import pyarrow.parquet as pq
-
-        if pq.ParquetFile(path).metadata.num_rows == 0:  # datasets fails on it with no reason given
-            raise ValueError(f"prompt dataset {path} holds no records")
-        rows = datasets.Dataset.from_parquet(str(path), keep_in_memory=True)
+    with _scratch_cache() as cache:
+        rows = _load_rows(path, prompt_key, split, subset, cache)
     if prompt_key not in rows.column_names:
         raise ValueError(f"{path}: no {prompt_key!r} column (found {rows.column_names}); "
                          f"{_prompt_key_hint(dict.fromkeys(rows.column_names, ''))}")
     return rows
+
+
+def _load_rows(path: str | Path, prompt_key: str, split: str, subset: str | None, cache: str) -> Any:
+    """The rows of a source prompt_data_problem accepted, read into memory (`cache`: datasets' scratch files)."""
+    import datasets
+
+    if is_hub_dataset(path):  # the one call for a name and a downloaded directory alike
+        return datasets.load_dataset(str(path), subset, split=split, cache_dir=cache, keep_in_memory=True)
+    path = Path(path)
+    if path.is_dir():  # a saved Dataset (prompt_data_problem refused a saved DatasetDict)
+        if not json.loads((path / SAVED_DATASET).read_text()).get("_data_files"):  # datasets fails on it unnamed
+            raise ValueError(f"prompt dataset {path} holds no records")
+        return datasets.load_from_disk(str(path), keep_in_memory=True)
+    if path.suffix in JSONL_SUFFIXES:
+        if _check_jsonl(path, prompt_key) == 0:
+            raise ValueError(f"prompt dataset {path} holds no records")
+        return datasets.Dataset.from_json(str(path), cache_dir=cache, keep_in_memory=True)
+    import pyarrow.parquet as pq  # .parquet, the one other suffix prompt_data_problem accepts
+
+    if pq.ParquetFile(path).metadata.num_rows == 0:  # datasets fails on it with no reason given
+        raise ValueError(f"prompt dataset {path} holds no records")
+    return datasets.Dataset.from_parquet(str(path), cache_dir=cache, keep_in_memory=True)
 
 
 def render_prompt(prompt: str | list[Mapping[str, str]], tokenizer: Any, *, apply_chat_template: bool,
@@ -227,12 +308,13 @@ def _field(record: Mapping[str, Any], dotted: str, where: str) -> Any:
     return value
 
 
-def load_prompt_dataset(path: str | Path, tokenizer: Any, *, prompt_key: str = "prompt",
-                        apply_chat_template: bool = False, system_prompt: str | None = None,
-                        answer_key: str = ANSWER, limit: int | None = None) -> list[PromptExample]:
-    """Prompts of a local .jsonl / .parquet file, rendered and tokenized."""
-    path = Path(path)
-    rows = _read_rows(path, prompt_key)
+def load_prompt_dataset(path: str | Path, tokenizer: Any, *, split: str = "train", subset: str | None = None,
+                        prompt_key: str = "prompt", apply_chat_template: bool = False,
+                        system_prompt: str | None = None, answer_key: str = ANSWER,
+                        limit: int | None = None) -> list[PromptExample]:
+    """Prompts of a local .jsonl / .parquet file, a save_to_disk directory or `split` (of `subset`) of a Hub
+    dataset, rendered and tokenized."""
+    rows = _read_rows(path, prompt_key, split, subset)
     if limit is not None:
         rows = rows.select(range(min(limit, len(rows))))
     try:
