@@ -80,6 +80,16 @@ def test_boxed_extraction_takes_the_last_balanced_box():
     assert math_reward(prompt="", completion="it is 5", metadata={"answer": "5"})["reward"] == 1.0
 
 
+@pytest.mark.parametrize(("completion", "correct"), [("\\boxed{72}", True), ("So 72 clips.", True),
+                                                    ("\\boxed{24}", False), ("\\boxed{48}", False)])
+def test_a_gsm8k_worked_answer_is_scored_by_its_final_number(completion, correct):
+    """GSM8K's `answer` field as it is (env.train_data=openai/gsm8k): the worked solution, its calculator notes and
+    `#### 72`; the reference is the final number, not one of the intermediate ones (24, 48)."""
+    gold = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips altogether "
+            "in April and May.\n#### 72")
+    assert math_reward(prompt="", completion=completion, metadata={"answer": gold})["correct"] is correct
+
+
 def test_a_final_box_cut_off_scores_zero():
     """The completion stopped inside its last box: that box was the final answer, so an earlier box (or a
     number in the text) holding the right one does not count."""
