@@ -208,6 +208,8 @@ LORA = "policy.dtensor_cfg.lora_cfg"
     ([f"{LORA}.enabled=true"], [f"{LORA}.enabled=true", f"{LORA}.target_modules=[q_proj]"], LORA),
     ([f"{LORA}.enabled=true"], [f"{LORA}.enabled=true", f"{LORA}.exclude_modules=[q_proj]"], LORA),
     ([], ["policy.megatron_cfg.enabled=true"], "policy.engine"),  # another checkpoint format
+    (["policy.megatron_cfg.enabled=true", "policy.megatron_cfg.lora_cfg.enabled=true"],  # the Megatron engine's
+     ["policy.megatron_cfg.enabled=true"], "policy.megatron_cfg.lora_cfg"),
 ])
 def test_resume_under_another_engine_or_lora_adapters_is_refused_even_when_changes_are_allowed(saved, resumed, key):
     """Other adapters are other tensors (names, shapes), another engine another format: the load would fail inside

@@ -118,6 +118,27 @@ def engine_run(rank: int, world_size: int, ckpt: str, megatron_cfg: dict[str, An
             "layout": {**engine_layout(engine), "train_micro_batches": train_mbs}}
 
 
+def dtensor_run(rank: int, world_size: int, ckpt: str, dtensor_cfg: dict[str, Any], steps: int = 1) -> dict[str, Any]:
+    """`engine_run`'s results for the DTensor engine (`policy.dtensor_cfg` = `dtensor_cfg`) on the same policy:
+    logprobs, `steps` x train_batch, logprobs again, the exported weights (rank 0)."""
+    from engine_dtensor.engine import DTensorEngine
+
+    policy = make_policy(ckpt)
+    policy.megatron_cfg = {"enabled": False}
+    policy.dtensor_cfg = {"enabled": True, **dtensor_cfg}
+    engine = DTensorEngine(policy)
+    batch = global_batch(0)
+    indices = dp_indices(len(batch), engine.dp_rank, engine.dp_size)
+    mine = batch.select(indices)
+    before = engine.compute_logprobs(mine)
+    mine = mine.with_fields(prev_logprobs=[lp.clone() for lp in before])
+    metrics = [engine.train_batch(mine, ClippedPGLoss(LOSS)) for _ in range(steps)]
+    after = engine.compute_logprobs(mine)
+    weights = {name: tensor.clone() for name, tensor in engine.export_hf_weights()}
+    return {"indices": indices, "before": before, "after": after, "metrics": metrics,
+            "weights": weights if rank == 0 else None}
+
+
 def expected_layout(world_size: int, megatron_cfg: dict[str, Any], policy_kw: dict[str, Any]) -> dict[str, Any]:
     """The process grid and packing a run of `megatron_cfg` / `policy_kw` on `world_size` ranks must have."""
     tp = megatron_cfg.get("tensor_model_parallel_size", 1)

@@ -75,7 +75,11 @@ def _resume(rank: int, world_size: int, ckpt: str, megatron_cfg: dict, save_dir:
     ("qwen2", 2, {}),  # DP=2: the distributed optimizer's state is sharded over DP
     ("qwen2", 2, {"pipeline_model_parallel_size": 2}),
     ("qwen3_moe", 2, {"expert_model_parallel_size": 2}),
-], ids=["1rank", "tp2", "dp2", "pp2", "moe_ep2"])
+    # LoRA: the adapters (A replicated / B sharded over TP and the reverse) and their optimizer state, base frozen
+    ("qwen2", 2, {"tensor_model_parallel_size": 2, "sequence_parallel": True,
+                  "lora_cfg": {"enabled": True, "dim": 4, "alpha": 8.0}}),
+    ("qwen2", 2, {"pipeline_model_parallel_size": 2, "lora_cfg": {"enabled": True, "dim": 4, "alpha": 8.0}}),
+], ids=["1rank", "tp2", "dp2", "pp2", "moe_ep2", "lora_tp2_sp", "lora_pp2"])
 def test_save_load_continue_is_bitwise(tiny_ckpt, tmp_path: Path, arch: str, world: int, megatron_cfg: dict) -> None:
     results = run_distributed(_resume, world_size=world, args=(tiny_ckpt(arch), megatron_cfg,
                                                                str(tmp_path / "ckpt" / "step2")))

@@ -22,10 +22,17 @@ def test_unknown_transformer_key_names_the_closest_field() -> None:
         parse_megatron_config({"apply_rope_fusio": True})
 
 
-def test_lora_on_the_megatron_engine_points_at_the_dtensor_engine() -> None:
-    with pytest.raises(ConfigError, match=r"policy\.megatron_cfg\.lora_cfg: LoRA is implemented by the DTensor engine "
-                                          r"only; set .*policy\.dtensor_cfg\.lora_cfg\.enabled=true"):
-        parse_megatron_config({"lora_cfg": {"enabled": True}})
+@pytest.mark.parametrize(("raw", "message"), [
+    ({"lora_cfg": {"enabled": True, "dim": 0}}, r"policy\.megatron_cfg\.lora_cfg\.dim must be >= 1"),
+    ({"lora_cfg": {"droput": 0.1}}, r"did you mean 'policy\.megatron_cfg\.lora_cfg\.dropout'"),
+    ({"lora_cfg": {"enabled": True, "dropout": 0.1}, "tensor_model_parallel_size": 2},
+     r"lora_cfg\.dropout=0 or tensor_model_parallel_size=1"),  # one dropout mask per TP group: refused
+    ({"lora": {"enabled": True}}, r"did you mean 'policy\.megatron_cfg\.lora_cfg'"),
+])
+def test_lora_errors_name_the_megatron_key(raw: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_megatron_config(raw)
+    assert parse_megatron_config({"lora_cfg": {"enabled": True, "dim": 4}}).lora_cfg.scaling == 8.0
 
 
 def test_lora_asked_of_the_dtensor_section_on_the_megatron_engine_is_an_error() -> None:
@@ -34,7 +41,8 @@ def test_lora_asked_of_the_dtensor_section_on_the_megatron_engine_is_an_error() 
 
     policy = make_policy("unused", dtensor_cfg={"lora_cfg": {"enabled": True, "dim": 16}})
     with pytest.raises(ConfigError, match=r"policy\.dtensor_cfg\.lora_cfg\.enabled=true, but the Megatron engine "
-                                          r"runs \(policy\.megatron_cfg\.enabled\).*unset policy\.megatron_cfg\.enabled"):
+                                          r"runs \(policy\.megatron_cfg\.enabled\).*move the section to "
+                                          r"policy\.megatron_cfg\.lora_cfg"):
         MegatronEngine.validate_config(policy)
     MegatronEngine.validate_config(make_policy("unused", dtensor_cfg={"lora_cfg": {"enabled": False}}))
 

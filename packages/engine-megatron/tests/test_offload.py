@@ -21,11 +21,11 @@ def _exported(engine) -> dict[str, torch.Tensor]:
     return {name: tensor.clone() for name, tensor in engine.export_hf_weights()}
 
 
-def _run(rank: int, world_size: int, ckpt: str, precision: str) -> dict:
+def _run(rank: int, world_size: int, ckpt: str, precision: str, megatron_cfg: dict) -> dict:
     from engine_megatron.engine import MegatronEngine
 
     batch, loss = global_batch(seed=2), ClippedPGLoss(LOSS)
-    moved, still = (MegatronEngine(make_policy(ckpt, precision=precision)) for _ in range(2))
+    moved, still = (MegatronEngine(make_policy(ckpt, megatron_cfg, precision=precision)) for _ in range(2))
     out: dict = {}
     for engine in (moved, still):
         engine.snapshot_reference()
@@ -53,8 +53,13 @@ def _run(rank: int, world_size: int, ckpt: str, precision: str) -> dict:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
-def test_offload_keeps_weights_for_the_refit_and_restores_everything(tiny_ckpt, precision: str) -> None:
-    result = run_distributed(_run, world_size=1, args=(tiny_ckpt("qwen2"), precision))[0]
+@pytest.mark.parametrize(("precision", "megatron_cfg"), [
+    ("float32", {}), ("bfloat16", {}),
+    # LoRA: the frozen base lives in no DDP buffer, the reference is the base itself (no copy)
+    ("float32", {"lora_cfg": {"enabled": True, "dim": 4}}),
+], ids=["float32", "bfloat16", "lora"])
+def test_offload_keeps_weights_for_the_refit_and_restores_everything(tiny_ckpt, precision: str,
+                                                                     megatron_cfg: dict) -> None:
+    result = run_distributed(_run, world_size=1, args=(tiny_ckpt("qwen2"), precision, megatron_cfg))[0]
     assert result == {"weights_kept": True, "training_state_freed": True, "export_unchanged": True,
                       "weights_freed": True, "same_step": True, "same_reference": True}, result

@@ -12,41 +12,18 @@ import logging
 
 import pytest
 from megatron_testutil import (
-    LOSS,
     assert_layout,
     by_index,
-    dp_indices,
+    dtensor_run,
     engine_run,
-    global_batch,
-    make_policy,
     max_abs_diff,
     weight_diffs,
 )
 
-from rl_core.losses import ClippedPGLoss
 from rl_core.testing.distributed import run_distributed
 
 logger = logging.getLogger(__name__)
 pytest.importorskip("engine_dtensor")
-
-
-def _dtensor_run(rank: int, world_size: int, ckpt: str) -> dict:
-    from engine_dtensor.engine import DTensorEngine
-
-    policy = make_policy(ckpt)
-    policy.megatron_cfg = {"enabled": False}
-    policy.dtensor_cfg = {"enabled": True}
-    engine = DTensorEngine(policy)
-    batch = global_batch(0)
-    indices = dp_indices(len(batch), engine.dp_rank, engine.dp_size)
-    mine = batch.select(indices)
-    before = engine.compute_logprobs(mine)
-    mine = mine.with_fields(prev_logprobs=[lp.clone() for lp in before])
-    metrics = [engine.train_batch(mine, ClippedPGLoss(LOSS))]
-    after = engine.compute_logprobs(mine)
-    weights = {name: tensor.clone() for name, tensor in engine.export_hf_weights()}
-    return {"indices": indices, "before": before, "after": after, "metrics": metrics,
-            "weights": weights if rank == 0 else None}
 
 
 @pytest.mark.distributed
@@ -54,7 +31,7 @@ def _dtensor_run(rank: int, world_size: int, ckpt: str) -> dict:
 @pytest.mark.parametrize("layout", ["tp2", "dp2"])
 def test_dtensor_and_megatron_agree(tiny_ckpt, arch: str, layout: str) -> None:
     ckpt = tiny_ckpt(arch)
-    dtensor = run_distributed(_dtensor_run, world_size=2, args=(ckpt,))
+    dtensor = run_distributed(dtensor_run, world_size=2, args=(ckpt, {}))
     megatron_cfg = {"tensor_model_parallel_size": 2} if layout == "tp2" else {}
     megatron = run_distributed(engine_run, world_size=2, args=(ckpt, megatron_cfg, {}))
     assert_layout(megatron, 2, megatron_cfg, {})  # TP=2 really ran as TP=2, not as DP=2

@@ -4,11 +4,14 @@ Both directions walk the model one mcore tensor at a time in layer order (mappin
 layouts, dist_format.py the megatron files, hf_io.py the safetensors files). Inputs are validated from
 headers before anything is written; output goes to a temporary sibling directory renamed into place at
 the end, so a failed run leaves nothing behind. The model config is saved beside the megatron checkpoint
-as `ckpt_convert.json` (incl. the full HF config), which is what mcore2hf and the megatron engine read.
+as `ckpt_convert.json` (incl. the full HF config), which is what mcore2hf and the megatron engine read. A
+Megatron-engine LoRA checkpoint lists its adapters there: mcore2hf merges each into its HF weight
+(rl_core.lora.merge_named, as the engine's export) and writes them in PEFT format too (rl_core.lora.ADAPTER_DIR).
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import logging
@@ -16,6 +19,7 @@ import os
 import shutil
 import time
 from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +44,7 @@ from ckpt_convert.mcore_model import (
     read_json,
 )
 from rl_core.checkpoint_io import atomic_dir, write_manifest
+from rl_core.lora import adapter_names, merge_named, write_adapter_dir
 
 logger = logging.getLogger(__name__)
 
@@ -75,21 +80,25 @@ def _dir_bytes(path: Path) -> int:
 
 
 def save_model_config(ckpt_dir: str | os.PathLike, hf_config: Any, cfg: MCoreModelConfig, *, tp: int = 1,
-                      pp: int = 1, ep: int = 1, dtype: str = "fp32") -> Path:
-    """Write `ckpt_convert.json` (HF config + layout) beside a megatron checkpoint; mcore2hf needs it."""
+                      pp: int = 1, ep: int = 1, dtype: str = "fp32", lora: dict[str, Any] | None = None) -> Path:
+    """Write `ckpt_convert.json` (HF config + layout, and a LoRA run's adapters: `convert_mcore_to_hf`) beside a
+    megatron checkpoint; mcore2hf needs it."""
     path = Path(ckpt_dir) / CONFIG_NAME
     path.write_text(json.dumps({
         "format": "ckpt-convert/1", "arch": cfg.arch, "hf_config": hf_config.to_dict(),
         "vocab_size": cfg.vocab_size, "hf_vocab_size": cfg.hf_vocab_size, "dtype": dtype,
-        "tp": tp, "pp": pp, "ep": ep}, indent=2, default=str))
+        "tp": tp, "pp": pp, "ep": ep, **({"lora": lora} if lora else {})}, indent=2, default=str))
     return path
 
 
 def save_conversion_metadata(ckpt_dir: str | os.PathLike, hf_config: Any, cfg: MCoreModelConfig,
-                             hf_dir: str | os.PathLike, *, tp: int = 1, pp: int = 1, ep: int = 1) -> None:
+                             hf_dir: str | os.PathLike, *, tp: int = 1, pp: int = 1, ep: int = 1,
+                             lora: dict[str, Any] | None = None) -> None:
     """`ckpt_convert.json` and the HF side files (tokenizer...) beside a megatron checkpoint written by
-    another tool (the Megatron engine's save_checkpoint), so that mcore2hf converts it."""
-    save_model_config(ckpt_dir, hf_config, cfg, tp=tp, pp=pp, ep=ep)
+    another tool (the Megatron engine's save_checkpoint), so that mcore2hf converts it. `lora` (a LoRA run):
+    `scaling`, `adapters` (HF adapter name, rl_core.lora.adapter_names -> megatron parameter name) and
+    `adapter_config` (adapter_config.json)."""
+    save_model_config(ckpt_dir, hf_config, cfg, tp=tp, pp=pp, ep=ep, lora=lora)
     _copy_hf_files(Path(hf_dir), Path(ckpt_dir) / HF_FILES_DIR)
 
 
@@ -198,9 +207,26 @@ def _checkpoint_source(reader: CheckpointReader, name: str, tc: Any) -> tuple[st
     return key, prefix
 
 
+def _read_adapter(reader: CheckpointReader, tc: Any, adapters: dict[str, str], name: str) -> torch.Tensor:
+    """The full adapter tensor of HF adapter name `name` (its megatron name in `adapters`) from the checkpoint."""
+    key, prefix, _ = checkpoint_key(adapters[name], tc.num_layers, tc.num_moe_experts)
+    return reader.read(key, prefix)
+
+
+def _merged(pairs: list[tuple[str, torch.Tensor]], lora: dict[str, Any] | None,
+            read_adapter: Callable[[str], torch.Tensor]) -> Iterable[tuple[str, torch.Tensor]]:
+    """The HF tensors of one megatron tensor, those with a LoRA adapter merged with it as the engine's export
+    merges them (rl_core.lora.merge_named)."""
+    if not lora:
+        return pairs
+    wanted = [n for name, _ in pairs for n in adapter_names(name.removesuffix(".weight")) if n in lora["adapters"]]
+    return merge_named(pairs, {n: read_adapter(n) for n in wanted}, lora["scaling"])
+
+
 def convert_mcore_to_hf(mcore_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                         max_shard_bytes: int = 2 * 2**30) -> Path:
-    """Convert a megatron torch_dist checkpoint (ours, or megatron-saved at any TP/PP/EP) back to HF."""
+    """Convert a megatron torch_dist checkpoint (ours, or megatron-saved at any TP/PP/EP) back to HF; a LoRA
+    checkpoint's adapters merged, and written in PEFT format beside the weights."""
     mcore_dir, out_dir = Path(mcore_dir), Path(out_dir)
     reader = CheckpointReader(mcore_dir)
     hf_config, cfg = load_model_config(
@@ -213,11 +239,17 @@ def convert_mcore_to_hf(mcore_dir: str | os.PathLike, out_dir: str | os.PathLike
     for name, (key, prefix) in zip(names, sources):
         meta = torch.empty(reader.global_shape(key)[len(prefix):], dtype=reader.dtype(key), device="meta")
         plan.append([(n, tuple(t.shape), t.dtype) for n, t in mcore_to_hf_tensors(cfg, hf_config, name, meta)])
+    lora = read_json(mcore_dir / CONFIG_NAME).get("lora")  # absent: no adapters
+    read_adapter = functools.partial(_read_adapter, reader, tc, lora["adapters"] if lora else {})
     tensors = (pair for name, (key, prefix) in zip(tqdm(names, desc="mcore2hf", unit="tensor", disable=None), sources)
-               for pair in mcore_to_hf_tensors(cfg, hf_config, name, reader.read(key, prefix)))
+               for pair in _merged(mcore_to_hf_tensors(cfg, hf_config, name, reader.read(key, prefix)), lora,
+                                   read_adapter))
     with atomic_dir(new_output_dir(out_dir), replace=False) as tmp:
         num_params = write_hf_checkpoint(tmp, plan, tensors, hf_config, mcore_dir / HF_FILES_DIR,
                                          max_shard_bytes=max_shard_bytes)
+        if lora:  # what the engine's save_hf writes beside the merged weights
+            write_adapter_dir(tmp, ((name, read_adapter(name)) for name in lora["adapters"]),
+                              lora["adapter_config"])
         output_bytes = _dir_bytes(tmp)
     summary = ConversionSummary(len(names), num_params, time.perf_counter() - start, output_bytes, out_dir)
     logger.info("mcore2hf %s", summary)

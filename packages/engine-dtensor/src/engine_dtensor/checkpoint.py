@@ -8,7 +8,7 @@ optimizer settings (lr, weight decay, betas, ...) stay the configured ones, as i
 export of full HF-named tensors (one all-gather at a time); `save_hf` (safetensors shards + config + tokenizer
 files) that `AutoModelForCausalLM.from_pretrained` loads, and `checkpoint_to_hf`, the same directory from a
 checkpoint offline (one process, no process group): both go through one writer, and a LoRA run's adapters alone in
-PEFT format (`ADAPTER_DIR`) through one other. The filesystem must be shared by all ranks (one node, or a network
+PEFT format (`ADAPTER_DIR`) through rl_core.lora's. The filesystem must be shared by all ranks (one node, or a network
 filesystem).
 """
 
@@ -37,17 +37,15 @@ from engine_dtensor.config import LoRAConfig
 from engine_dtensor.loading import build_meta_model
 from engine_dtensor.parallelize import hf_name
 from rl_core import checkpoint_io
+from rl_core import lora as shared_lora
 from rl_core.config import parse_config
+from rl_core.lora import ADAPTER_DIR  # noqa: F401 - where save_hf puts the adapter (tests and callers read it here)
 
 logger = logging.getLogger(__name__)
 
 LORA_FILE = "lora.json"  # the LoRA settings of a checkpoint of a LoRA run
-# The adapters alone in PEFT format, inside the HF directory of a LoRA run: written with it by the same atomic commit
-# and covered by its manifest (and the trainer's), so the merged model and its adapter never come from different
-# steps. Weight loaders (transformers, vLLM, loading.py) read the top level only, so the merged model still loads
-# as it is; the adapter applies to the base model (its adapter_config.json names it), not to the merged weights.
-ADAPTER_DIR = "adapter"
-PEFT_PREFIX = "base_model.model."  # peft's key of the wrapped *ForCausalLM in adapter_model.safetensors
+# The adapters alone in PEFT format (ADAPTER_DIR) are written with the HF directory by the same atomic commit and
+# covered by its manifest (and the trainer's), so the merged model and its adapter never come from different steps.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
 
 
@@ -195,7 +193,8 @@ def save_hf(path: str, model: nn.Module, source_dir: str, lora_cfg: LoRAConfig |
                                                                             max_shard_bytes))
     if lora_cfg is not None:
         config = lora.peft_adapter_config(model, lora_cfg, source_dir)
-        _write_on_rank0(lora.adapter_tensors(model), lambda tensors: _write_adapter_dir(tmp, tensors, config))
+        _write_on_rank0(lora.adapter_tensors(model),
+                        lambda tensors: shared_lora.write_adapter_dir(tmp, tensors, config))
     _commit(tmp, path)
     logger.info("saved HF checkpoint %s", path)
 
@@ -232,11 +231,11 @@ def checkpoint_to_hf(checkpoint_dir: str, out_dir: str, *, model_dir: str, max_s
         if name not in adapters:
             return full.pop(name)
         a, b, scaling = adapters[name]
-        return lora.merge(full.pop(name), full.pop(a), full.pop(b), scaling)
+        return shared_lora.merge(full.pop(name), full.pop(a), full.pop(b), scaling)
 
     with checkpoint_io.atomic_dir(out_dir, replace=False) as tmp:
         if lora_cfg is not None:  # before the merge pops A and B
-            _write_adapter_dir(tmp, ((name, full[name]) for a, b, _ in adapters.values() for name in (a, b)),
+            shared_lora.write_adapter_dir(tmp, ((name, full[name]) for a, b, _ in adapters.values() for name in (a, b)),
                                lora.peft_adapter_config(model, lora_cfg, model_dir))
         _write_hf_dir(tmp, _hf_tensors(model, take), model, model_dir, max_shard_bytes)
         checkpoint_io.write_manifest(tmp)  # as save_hf's directories have one
@@ -300,20 +299,6 @@ def _write_hf_dir(out: Path, weights: Iterable[tuple[str, Tensor]], model: nn.Mo
         flush()
     _write_index_and_config(out, weight_map, model, source_dir,
                             float_bytes.most_common(1)[0][0] if float_bytes else None)
-
-
-def _write_adapter_dir(out: Path, tensors: Iterable[tuple[str, Tensor]], config: dict[str, object]) -> None:
-    """`out/ADAPTER_DIR` in PEFT format, the one writer of `save_hf` and `checkpoint_to_hf`: adapter_config.json and
-    adapter_model.safetensors, `base_model.model.<module>.lora_A.weight` (r, in) and `.lora_B.weight` (out, r) in
-    float32, the trained master weights as they are (~80 MB for 7B at rank 8; peft computes adapters in float32
-    too, vLLM casts them to the dtype it serves in)."""
-    from safetensors.torch import save_file
-
-    adapter_dir = out / ADAPTER_DIR
-    adapter_dir.mkdir()
-    state = {PEFT_PREFIX + name: tensor.cpu().contiguous() for name, tensor in tensors}
-    save_file(state, str(adapter_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
-    (adapter_dir / "adapter_config.json").write_text(json.dumps(config, indent=2))
 
 
 def _write_index_and_config(tmp: Path, weight_map: dict[str, str], model: nn.Module, source_dir: str,

@@ -8,8 +8,9 @@ Validate with `DTensorConfig.from_policy(policy)`: unknown keys are errors namin
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import ClassVar, Literal
 
+from rl_core import lora as shared_lora
 from rl_core.config import ConfigError, PolicyConfig, parse_config
 
 Precision = Literal["float32", "bfloat16"]
@@ -17,31 +18,11 @@ AttnImplementation = Literal["auto", "sdpa_segments", "sdpa", "eager", "flash_at
 
 
 @dataclass(kw_only=True)
-class LoRAConfig:
-    """`policy.dtensor_cfg.lora_cfg`: low-rank adapters (lora.py) trained on frozen base weights, so that the
-    optimizer state and gradients cover the adapters only."""
+class LoRAConfig(shared_lora.LoRAConfig):
+    """`policy.dtensor_cfg.lora_cfg`: low-rank adapters (lora.py) trained on frozen base weights (the schema and its
+    meaning are rl_core.lora's, shared with the Megatron engine)."""
 
-    enabled: bool = False
-    dim: int = 8  # the rank r of B (out, r) @ A (r, in)
-    alpha: float = 32.0  # the update is scaled by alpha / dim
-    dropout: float = 0.0  # on the adapter's input only
-    # empty: every nn.Linear inside the decoder layers; else leaf names (`q_proj`) or globs on full module names
-    target_modules: list[str] = field(default_factory=list)
-    exclude_modules: list[str] = field(default_factory=list)  # same matching, applied after target_modules
-
-    def __post_init__(self) -> None:
-        key = "policy.dtensor_cfg.lora_cfg"
-        if self.dim < 1:
-            raise ConfigError(f"{key}.dim must be >= 1 (the adapter rank); got {self.dim}")
-        if not self.alpha > 0:
-            raise ConfigError(f"{key}.alpha must be > 0 (the update is scaled by alpha / dim); got {self.alpha}")
-        if not 0 <= self.dropout < 1:
-            raise ConfigError(f"{key}.dropout must be in [0, 1); got {self.dropout}")
-
-    @property
-    def scaling(self) -> float:
-        """The factor of the low-rank update B @ A."""
-        return self.alpha / self.dim
+    key: ClassVar[str] = "policy.dtensor_cfg.lora_cfg"
 
 
 @dataclass(kw_only=True)

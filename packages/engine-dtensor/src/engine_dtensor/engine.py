@@ -34,6 +34,7 @@ from rl_core.batch import LossFn, LossInputs, StepResult, TokenBatch
 from rl_core.config import PolicyConfig, micro_batch_limits
 from rl_core.distributed import init_process_group
 from rl_core.interfaces import TrainingEngine
+from rl_core.lora import BaseModelReference
 from rl_core.metrics import all_reduce_metrics, combine_metrics
 from rl_core.reference import FrozenWeights
 from rl_core.registry import register_engine
@@ -139,7 +140,7 @@ class DTensorEngine(TrainingEngine):
         self.trainable_params = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters
         self.optimizer = build_optimizer(self.trainable_params, policy.optimizer)
         self.scheduler = build_scheduler(self.optimizer, policy.scheduler)
-        self.reference: FrozenWeights | lora.BaseModelReference | None = None
+        self.reference: FrozenWeights | BaseModelReference | None = None
 
     # ---- micro-batching -------------------------------------------------------------------------
 
@@ -230,7 +231,7 @@ class DTensorEngine(TrainingEngine):
         reference is the base model (adapters off; the policy at initialisation, B = 0), whenever this is called
         and after a resume too: no copy of the weights."""
         if self.cfg.lora_cfg.enabled:
-            self.reference = lora.BaseModelReference(self.model)
+            self.reference = BaseModelReference(lora.lora_modules(self.model))
         else:
             self.reference = FrozenWeights(self.model.parameters())
 

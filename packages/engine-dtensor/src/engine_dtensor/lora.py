@@ -8,15 +8,14 @@ W + alpha/dim * B @ A that export sends under the base weight's HF name, and the
 adapter_config.json (the PEFT format: peft and vLLM load it on the base model). The base weight keeps its name under
 `<module>.base_layer.` (peft's spelling), which `parallelize.hf_name` drops. Does not own sharding (FSDP2 shards
 adapters and frozen weights in the same per-layer unit; TP shards them with their base layer:
-`parallelize.LoRAParallel`) nor checkpoint files (checkpoint.py).
+`parallelize.LoRAParallel`) nor checkpoint files (checkpoint.py), nor what the Megatron engine shares (the config
+schema, the initial values, the merge, target selection and the PEFT format: rl_core.lora).
 """
 
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import logging
-import math
 from collections.abc import Iterator
 
 import torch
@@ -26,13 +25,11 @@ from torch.distributed.tensor import DTensor
 from engine_dtensor.config import LoRAConfig
 from engine_dtensor.loading import copy_into_shard, to_empty_keeping_ties
 from engine_dtensor.parallelize import decoder_layers, hf_name
+from rl_core import lora as shared
 
 logger = logging.getLogger(__name__)
 
 ADAPTER_NAMES = ("lora_A", "lora_B")
-# Adapter initialisation draws full tensors from this seed in module order on every rank, so that any FSDP / TP
-# layout (and 1 rank) starts from the same A.
-INIT_SEED = 0
 
 
 class LoRALinear(nn.Module):
@@ -57,22 +54,16 @@ class LoRALinear(nn.Module):
 
     @torch.no_grad()
     def init_adapter(self, generator: torch.Generator) -> None:
-        """A as nn.Linear's default (kaiming-uniform, a=sqrt(5)), B zero; drawn as full tensors and cut into
-        this rank's shards, so that the values do not depend on the layout."""
-        full_a = torch.empty(tuple(self.lora_A.weight.shape), dtype=self.lora_A.weight.dtype)
-        nn.init.kaiming_uniform_(full_a, a=math.sqrt(5), generator=generator)
+        """A as nn.Linear's default (rl_core.lora.init_lora_a), B zero; drawn as full tensors and cut into this
+        rank's shards, so that the values do not depend on the layout."""
+        full_a = shared.init_lora_a(tuple(self.lora_A.weight.shape), generator).to(self.lora_A.weight.dtype)
         copy_into_shard(self.lora_A.weight, full_a)
         copy_into_shard(self.lora_B.weight, torch.zeros(tuple(self.lora_B.weight.shape), dtype=full_a.dtype))
 
     def merged_weight(self, weight: Tensor) -> Tensor:
         """`merge` of the base weight `weight` (full) with this module's adapter; gathers A and B (a collective
         under FSDP)."""
-        return merge(weight, full_tensor(self.lora_A.weight), full_tensor(self.lora_B.weight), self.scaling)
-
-
-def merge(weight: Tensor, a: Tensor, b: Tensor, scaling: float) -> Tensor:
-    """W + scaling * B @ A, summed in float32 and rounded once to W's dtype."""
-    return (weight.float() + scaling * (b.float() @ a.float())).to(weight.dtype)
+        return shared.merge(weight, full_tensor(self.lora_A.weight), full_tensor(self.lora_B.weight), self.scaling)
 
 
 def full_tensor(t: Tensor) -> Tensor:
@@ -80,33 +71,13 @@ def full_tensor(t: Tensor) -> Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
 
 
-def _matches(patterns: list[str], name: str) -> list[str]:
-    """The patterns that select module `name`: its leaf name exactly, or a glob on the full name."""
-    leaf = name.rsplit(".", 1)[-1]
-    return [p for p in patterns if p == leaf or fnmatch.fnmatchcase(name, p)]
-
-
 def select_targets(model: nn.Module, cfg: LoRAConfig) -> list[str]:
-    """Full names of the decoder layers' nn.Linear modules that get an adapter; a pattern selecting nothing is
-    an error listing the leaf names there are."""
+    """Full names of the decoder layers' nn.Linear modules that get an adapter (rl_core.lora.select_modules)."""
     layers = decoder_layers(model)
     prefix = next(name for name, module in model.named_modules() if module is layers)
     linears = [name for name, module in model.named_modules()
                if isinstance(module, nn.Linear) and name.startswith(prefix + ".")]
-    for key, patterns in (("target_modules", cfg.target_modules), ("exclude_modules", cfg.exclude_modules)):
-        unused = [p for p in patterns if not any(_matches([p], name) for name in linears)]
-        if unused:
-            leaves = sorted({name.rsplit(".", 1)[-1] for name in linears})
-            raise ValueError(
-                f"policy.dtensor_cfg.lora_cfg.{key}: {unused} match no nn.Linear in the decoder layers of "
-                f"{type(model).__name__}; use leaf names among {leaves} or globs on full names such as "
-                f"'{linears[0]}'")
-    selected = [name for name in linears if (not cfg.target_modules or _matches(cfg.target_modules, name))
-                and not _matches(cfg.exclude_modules, name)]
-    if not selected:
-        raise ValueError("policy.dtensor_cfg.lora_cfg.exclude_modules excludes every target module: no adapter "
-                         "would train; narrow exclude_modules")
-    return selected
+    return shared.select_modules(linears, cfg, type(model).__name__)
 
 
 def apply_lora(model: nn.Module, cfg: LoRAConfig, *, frozen_dtype: torch.dtype) -> None:
@@ -149,7 +120,7 @@ def adapters_detached(model: nn.Module) -> Iterator[None]:
 
 def materialize_adapters(model: nn.Module, device: torch.device) -> None:
     """Storage on `device` for the adapters of a parallelised meta model, then their initial values."""
-    generator = torch.Generator().manual_seed(INIT_SEED)
+    generator = torch.Generator().manual_seed(shared.INIT_SEED)
     for module in lora_modules(model):
         for name in ADAPTER_NAMES:
             to_empty_keeping_ties(getattr(module, name), device)  # swapped in place: FSDP2 keeps its references
@@ -170,7 +141,7 @@ def adapters_by_module(model: nn.Module) -> dict[str, LoRALinear]:
 def adapter_names(model: nn.Module) -> dict[str, tuple[str, str, float]]:
     """HF name of each adapted base weight -> (HF-style names of its A and B, scaling): what an offline reader of a
     checkpoint merges (checkpoint.checkpoint_to_hf)."""
-    return {f"{name}.weight": (f"{name}.lora_A.weight", f"{name}.lora_B.weight", module.scaling)
+    return {f"{name}.weight": (*shared.adapter_names(name), module.scaling)
             for name, module in adapters_by_module(model).items()}
 
 
@@ -183,53 +154,12 @@ def adapter_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
     """(HF-style name, full tensor) of every adapter's A and B, float32 as trained, one all-gather at a time under
     FSDP: every rank must consume it."""
     for name, module in adapters_by_module(model).items():
-        for adapter in ADAPTER_NAMES:
-            yield f"{name}.{adapter}.weight", full_tensor(getattr(module, adapter).weight)
+        for adapter, hf_adapter in zip(ADAPTER_NAMES, shared.adapter_names(name)):
+            yield hf_adapter, full_tensor(getattr(module, adapter).weight)
 
 
 def peft_adapter_config(model: nn.Module, cfg: LoRAConfig, base_model: str) -> dict[str, object]:
-    """adapter_config.json of the model's adapters: fields of peft's LoraConfig (those vLLM reads among them) that
-    describe y = W x + lora_alpha/r * B A x (no rsLoRA, DoRA or adapter bias; `base_model`'s biases stay in it).
-    peft fills its other fields with their defaults."""
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-            "r": cfg.dim, "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout, "use_rslora": False,
-            "use_dora": False, "bias": "none", "fan_in_fan_out": False, "modules_to_save": None,
-            "target_modules": peft_target_modules(model), "inference_mode": True}
-
-
-def peft_target_modules(model: nn.Module) -> list[str]:
-    """The adapted modules in peft's spelling: their leaf names (`q_proj`), as users write them, when those select
-    no other module of the model; else every adapted module's full name (an exclude_modules glob that spares some
-    layers: peft matches a full name exactly, and a leaf name in every layer)."""
-    adapted = sorted(adapters_by_module(model))
-    leaves = sorted({name.rsplit(".", 1)[-1] for name in adapted})
-    others = {hf_name(name) for name, _ in model.named_modules()} - set(adapted)
-    return adapted if any(name.rsplit(".", 1)[-1] in leaves for name in others) else leaves
-
-
-@contextlib.contextmanager
-def adapters_disabled(model: nn.Module) -> Iterator[None]:
-    """The model computes as the base model for the block (every adapter switched off)."""
-    modules = lora_modules(model)
-    for module in modules:
-        module.adapter_enabled = False
-    try:
-        yield
-    finally:
-        for module in modules:
-            module.adapter_enabled = True
-
-
-class BaseModelReference:
-    """The KL reference of a LoRA run: the frozen base model, the policy with its adapters off. It holds no
-    copy of the weights, and after a resume it is still the base model (the checkpoint's base is frozen)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-
-    def swapped_in(self) -> contextlib.AbstractContextManager[None]:
-        """Inside the block the model computes the reference (FrozenWeights' interface)."""
-        return adapters_disabled(self.model)
-
-    def to(self, device: torch.device | str) -> None:
-        """Nothing to move: the reference is the policy's own base weights."""
+    """adapter_config.json of the model's adapters (rl_core.lora.peft_adapter_config), the adapted modules in peft's
+    spelling among all the model's modules."""
+    others = {hf_name(name) for name, _ in model.named_modules()}
+    return shared.peft_adapter_config(cfg, base_model, shared.peft_target_modules(adapters_by_module(model), others))

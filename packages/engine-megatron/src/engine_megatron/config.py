@@ -16,8 +16,9 @@ import importlib
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
+from rl_core import lora as shared_lora
 from rl_core.config import ConfigError, PolicyConfig, closest_key, parse_config
 
 logger = logging.getLogger(__name__)
@@ -69,12 +70,13 @@ def available_fusions() -> dict[str, bool]:
     }
 
 
-def attention_backend(use_cuda: bool) -> Literal["transformer_engine", "local"]:
+def attention_backend(use_cuda: bool, lora: bool = False) -> Literal["transformer_engine", "local"]:
     """The one decision between TE's layer spec (context parallelism) and megatron's local modules
-    (`model.layer_spec` follows it); packed rows are THD `PackedSeqParams` for both."""
+    (`model.layer_spec` follows it); packed rows are THD `PackedSeqParams` for both. LoRA takes the local spec:
+    TE's fused norm + linear hides the normalised input the adapters need."""
     from engine_megatron.model import te_available
 
-    return "transformer_engine" if use_cuda and te_available() else "local"
+    return "transformer_engine" if use_cuda and te_available() and not lora else "local"
 
 
 @dataclass(kw_only=True)
@@ -100,6 +102,14 @@ class ActivationCheckpointingConfig:
 
 
 @dataclass(kw_only=True)
+class LoRAConfig(shared_lora.LoRAConfig):
+    """`policy.megatron_cfg.lora_cfg`: the DTensor engine's LoRA (rl_core.lora: same keys, same adapters on the same
+    HF modules), built on megatron's fused linears by lora_layers.py."""
+
+    key: ClassVar[str] = "policy.megatron_cfg.lora_cfg"
+
+
+@dataclass(kw_only=True)
 class MegatronConfig:
     """`policy.megatron_cfg` (NeMo-RL's layout); keys not listed here go to megatron's TransformerConfig."""
 
@@ -116,7 +126,17 @@ class MegatronConfig:
     distributed_data_parallel_config: dict[str, Any] = field(default_factory=dict)
     seed: int = 1234
     converted_checkpoint_dir: str | None = None  # cache of HF -> megatron conversions; None: ~/.cache
+    lora_cfg: LoRAConfig = field(default_factory=LoRAConfig)
     transformer_config: dict[str, Any] = field(default_factory=dict)  # filled from the unknown keys
+
+    def __post_init__(self) -> None:
+        lora = self.lora_cfg
+        if lora.enabled and lora.dropout > 0 and self.tensor_model_parallel_size > 1:
+            # a replicated adapter input needs one mask on every TP rank (megatron's CUDA RNG tracker would give
+            # it; untested here), and on the CPU each rank draws its own: as in the DTensor engine, refused
+            raise ConfigError(f"{lora.key}.dropout={lora.dropout} is not supported with tensor_model_parallel_size="
+                              f"{self.tensor_model_parallel_size} (the TP ranks would not draw one dropout mask); "
+                              f"set {lora.key}.dropout=0 or tensor_model_parallel_size=1")
 
     @property
     def tp(self) -> int:
@@ -185,9 +205,6 @@ def parse_megatron_config(raw: dict[str, Any], section: str = SECTION) -> Megatr
             known[key] = value
         elif key in transformer:
             extra[key] = value
-        elif key in ("lora_cfg", "peft", "lora"):  # what a NeMo-RL or DTensor-engine user would write
-            raise ConfigError(f"{section}.{key}: LoRA is implemented by the DTensor engine only; set "
-                              "policy.megatron_cfg.enabled=false and policy.dtensor_cfg.lora_cfg.enabled=true")
         else:
             near = closest_key(key, own + transformer)
             hint = f"; did you mean '{section}.{near}'?" if near else ""
@@ -268,11 +285,11 @@ def resolve_settings(policy: PolicyConfig, cfg: MegatronConfig, hf_config: Any, 
     if cfg.cp > 1 and not packing:
         raise ConfigError(f"{section}.context_parallel_size={cfg.cp} needs packed sequences: set "
                           "policy.sequence_packing.enabled=true (CP shards the load-balanced packed layout)")
-    attention = attention_backend(use_cuda)
+    attention = attention_backend(use_cuda, cfg.lora_cfg.enabled)
     if cfg.cp > 1 and attention != "transformer_engine":
         raise ConfigError(f"{section}.context_parallel_size={cfg.cp} needs CUDA and transformer-engine (megatron's "
-                          "local attention has no context parallelism); install transformer-engine or use "
-                          "context_parallel_size=1")
+                          "local attention has no context parallelism), and LoRA off (it takes the local layer "
+                          "spec); install transformer-engine, or use context_parallel_size=1")
     num_experts = getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None)
     if cfg.ep > 1 and (not num_experts or num_experts % cfg.ep):
         raise ConfigError(f"{section}.expert_model_parallel_size={cfg.ep} must divide the number of experts "

@@ -3,9 +3,10 @@
 Owns the engine calls: micro-batches of a rank's DP shard run through megatron's
 `get_forward_backward_func` (so pipeline parallelism uses megatron's schedules), target logprobs and
 entropy computed vocab-parallel on the last stage and handed to the loss as flat per-token tensors with
-global normalisers, the optimizer step and the weights-only reference policy. The model config and weight
-names come from ckpt-convert; building the model (model.py), batching, logprobs, the optimizer, checkpoints
-and process groups live in the modules beside this one.
+global normalisers, the optimizer step and the weights-only reference policy (with LoRA: the base model, the
+adapters off). The model config and weight names come from ckpt-convert; building the model (model.py), LoRA
+(lora.py, lora_layers.py), batching, logprobs, the optimizer, checkpoints and process groups live in the modules
+beside this one.
 
 Loss scaling: a `LossFn` returns this micro-batch's share of the global-batch loss (global normalisers),
 so the gradient we want is the SUM over micro-batches and DP ranks. Megatron's schedule divides each
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -27,10 +29,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from engine_megatron import batching, checkpoint
+from engine_megatron import batching, checkpoint, lora
 from engine_megatron.compat import device_context, prepare_device
 from engine_megatron.config import MegatronConfig, parse_megatron_config, planning_multiple, resolve_settings
-from engine_megatron.model import build_ddp_model, convert_once, export_hf_tensors, hf_export, load_converted
+from engine_megatron.model import (
+    adapter_export,
+    build_ddp_model,
+    convert_once,
+    export_hf_tensors,
+    gpt_model,
+    hf_export,
+    load_converted,
+)
 from engine_megatron.optim import build_optimizer, build_scheduler, megatron_optimizer_config, optimizer_step
 from engine_megatron.parallel import broadcast_from_last_stage, init_model_parallel
 from engine_megatron.vocab_parallel import vocab_parallel_logprobs
@@ -39,6 +49,7 @@ from rl_core.batch import LossFn, LossInputs, StepResult, TokenBatch
 from rl_core.config import ConfigError, PolicyConfig
 from rl_core.distributed import init_process_group
 from rl_core.interfaces import TrainingEngine
+from rl_core.lora import BaseModelReference, write_adapter_dir
 from rl_core.metrics import all_reduce_metrics, combine_metrics
 from rl_core.reference import FrozenWeights
 from rl_core.registry import register_engine
@@ -69,12 +80,13 @@ class MegatronEngine(TrainingEngine):
         """Check `policy.megatron_cfg` (incl. TransformerConfig keys) without building anything. LoRA switched on
         in the DTensor engine's section is an error, not the warning other unused options get: this engine would
         train every weight, another run than the one asked for (and the memory of full training)."""
-        lora = policy.dtensor_cfg.get("lora_cfg")
-        if isinstance(lora, dict) and lora.get("enabled"):
+        lora_section = policy.dtensor_cfg.get("lora_cfg")
+        if isinstance(lora_section, dict) and lora_section.get("enabled"):
             raise ConfigError(f"policy.dtensor_cfg.lora_cfg.enabled=true, but the Megatron engine runs "
-                              f"({policy.engine_config_key}), which has no LoRA and would train every weight: for "
-                              f"LoRA run the DTensor engine (unset {policy.engine_config_key}); to train every weight "
-                              "with Megatron, remove policy.dtensor_cfg.lora_cfg")
+                              f"({policy.engine_config_key}), which reads its LoRA settings from "
+                              f"{policy.engine_options_key}.lora_cfg (the same keys) and would train every weight: "
+                              f"move the section to {policy.engine_options_key}.lora_cfg, or run the DTensor engine "
+                              f"(unset {policy.engine_config_key})")
         return parse_megatron_config(policy.engine_options, policy.engine_options_key)
 
     @classmethod
@@ -86,10 +98,14 @@ class MegatronEngine(TrainingEngine):
     @classmethod
     def check_model(cls, policy: PolicyConfig) -> None:
         """ValueError naming the architecture and the supported ones if ckpt-convert cannot map
-        `policy.model_name` (the trainer's preflight calls it before any worker starts)."""
-        from ckpt_convert.mcore_model import load_hf_config
+        `policy.model_name`, or if LoRA's target / exclude modules match none of its modules or it has experts (the
+        trainer's preflight calls it before any worker starts)."""
+        from ckpt_convert.mcore_model import load_hf_config, mcore_model_config
 
-        load_hf_config(policy.model_name, source="policy.model_name")
+        hf_config = load_hf_config(policy.model_name, source="policy.model_name")
+        lora_cfg = cls.validate_config(policy).lora_cfg
+        if lora_cfg.enabled:
+            lora.select_targets(mcore_model_config(hf_config), lora_cfg)
 
     @classmethod
     def checkpoint_to_hf(cls, checkpoint_dir: str, out_dir: str, *, model_dir: str) -> None:
@@ -117,7 +133,9 @@ class MegatronEngine(TrainingEngine):
             params_dtype=getattr(torch, policy.precision), overrides=self.settings.transformer_overrides)
         if dist.get_rank() == 0:
             logger.info("megatron engine resolved config: %s; %s", self.cfg, self.settings.describe())
-        self.model = build_ddp_model(self.model_cfg, self.cfg.distributed_data_parallel_config, self.ranks)
+        self.lora_cfg = self.cfg.lora_cfg if self.cfg.lora_cfg.enabled else None
+        self.model = build_ddp_model(self.model_cfg, self.cfg.distributed_data_parallel_config, self.ranks,
+                                     self.lora_cfg)
         ckpt_dir = convert_once(policy.model_name, self.cfg.converted_checkpoint_dir, self.cfg.tp, self.cfg.pp,
                                 self.cfg.ep, policy.precision)
         load_converted(self.model, ckpt_dir)
@@ -127,7 +145,7 @@ class MegatronEngine(TrainingEngine):
         self.vocab_size = int(self.hf_config.vocab_size)
         self._state: _StepState | None = None
         self._offloaded: list[tuple[Any, Tensor]] = []
-        self.reference: FrozenWeights | None = None
+        self.reference: FrozenWeights | BaseModelReference | None = None
 
     # ---- the TrainingEngine interface --------------------------------------------------------------
 
@@ -175,8 +193,14 @@ class MegatronEngine(TrainingEngine):
         return mb_plan.restore(per_mb)
 
     def snapshot_reference(self) -> None:
-        """The current weights (this rank's TP/PP/EP shards) become the KL reference: a weights-only copy."""
-        self.reference = FrozenWeights(self.model.parameters())
+        """The current weights (this rank's TP/PP/EP shards) become the KL reference: a weights-only copy. With
+        LoRA the reference is the base model, the policy with its adapters off (no copy)."""
+        if self.lora_cfg is not None:
+            from engine_megatron.lora_layers import lora_layers
+
+            self.reference = BaseModelReference(lora_layers(gpt_model(self.model)))
+        else:
+            self.reference = FrozenWeights(self.model.parameters())
 
     def compute_ref_logprobs(self, batch: TokenBatch) -> list[Tensor]:
         """compute_logprobs with the reference weights copied into the DDP parameter buffers for the pass."""
@@ -199,19 +223,24 @@ class MegatronEngine(TrainingEngine):
 
     def export_hf_weights(self) -> Iterator[tuple[str, Tensor]]:
         """Full tensors under HF names, one at a time (TP/EP gathered, broadcast from the owning stage)."""
-        yield from export_hf_tensors(self.model, self.model_cfg, self.hf_config, self.ranks)
+        yield from export_hf_tensors(self.model, self.model_cfg, self.hf_config, self.ranks, self._lora_scaling())
 
     def save_hf(self, path: str) -> None:
         """A Hugging Face model directory at `path` (replaced atomically): rank 0 streams the gathered
-        tensors into safetensors shards, adds config.json and the tokenizer files of policy.model_name."""
+        tensors into safetensors shards, adds config.json and the tokenizer files of policy.model_name. With LoRA
+        the merged weights, and the adapters alone in PEFT format in `path/adapter` (rl_core.lora.ADAPTER_DIR)."""
         from ckpt_convert.hf_io import write_hf_checkpoint
 
-        plan, tensors = hf_export(self.model, self.model_cfg, self.hf_config, self.ranks)
+        plan, tensors = hf_export(self.model, self.model_cfg, self.hf_config, self.ranks, self._lora_scaling())
+        adapters = adapter_export(self.model, self.model_cfg, self.ranks) if self.lora_cfg is not None else iter(())
         if dist.get_rank() == 0:
             with checkpoint_io.atomic_dir(path) as tmp:
                 write_hf_checkpoint(tmp, plan, tensors, copy.deepcopy(self.hf_config), Path(self.policy.model_name))
+                if self.lora_cfg is not None:
+                    config = lora.peft_config(self.model_cfg, self.lora_cfg, self.policy.model_name)
+                    write_adapter_dir(tmp, adapters, config)
         else:
-            for _ in tensors:  # the gathers and broadcasts are collective
+            for _ in itertools.chain(tensors, adapters):  # the gathers and broadcasts are collective
                 pass
         dist.barrier()
         logger.info("saved HF checkpoint %s", path)
@@ -221,8 +250,10 @@ class MegatronEngine(TrainingEngine):
         from ckpt_convert.convert import save_conversion_metadata
 
         def write_conversion_metadata(directory: Path) -> None:  # inside the checkpoint's manifest
+            adapters = (None if self.lora_cfg is None
+                        else lora.conversion_metadata(self.model_cfg, self.lora_cfg, self.policy.model_name))
             save_conversion_metadata(directory, self.hf_config, self.model_cfg, self.policy.model_name,
-                                     tp=self.cfg.tp, pp=self.cfg.pp, ep=self.cfg.ep)
+                                     tp=self.cfg.tp, pp=self.cfg.pp, ep=self.cfg.ep, lora=adapters)
 
         checkpoint.save(path, self.model, self.optimizer, self.scheduler, write_conversion_metadata)
 
@@ -247,8 +278,8 @@ class MegatronEngine(TrainingEngine):
     def _storages_to_host(self, keep_weights: bool) -> None:
         """Storage by storage, so views (params into the DDP buffers; with fp32 params, the optimizer's
         shards into them too) stay valid and come back with onload. `keep_weights` keeps the storages of
-        the param buffers, and with them every view into them."""
-        skip = {b.param_data.untyped_storage().data_ptr() for b in self._ddp_buffers()} if keep_weights else set()
+        the weights (`_weights`), and with them every view into them."""
+        skip = {t.untyped_storage().data_ptr() for t in self._weights()} if keep_weights else set()
         for tensor in self._device_tensors():
             storage = tensor.untyped_storage()
             if storage.nbytes() == 0 or storage.data_ptr() in skip:  # already on the host, kept, or seen
@@ -259,14 +290,25 @@ class MegatronEngine(TrainingEngine):
             self._offloaded.append((storage, host))
             storage.resize_(0)
 
+    def _lora_scaling(self) -> float:
+        """The adapters' factor in exported merged weights (unused without LoRA)."""
+        return self.lora_cfg.scaling if self.lora_cfg is not None else 0.0
+
     def _ddp_buffers(self) -> list[Any]:
         return [*self.model.buffers, *self.model.expert_parallel_buffers]
 
-    def _device_tensors(self) -> Iterator[Tensor]:
-        if self.reference is not None:
-            yield from self.reference.saved
+    def _weights(self) -> Iterator[Tensor]:
+        """Where the weights live: the DDP param buffers (every trained parameter is a view into one) and the
+        parameters in none (a LoRA run's frozen base)."""
         for buffer in self._ddp_buffers():
             yield buffer.param_data
+        yield from (p for p in self.model.parameters() if not p.requires_grad)
+
+    def _device_tensors(self) -> Iterator[Tensor]:
+        if isinstance(self.reference, FrozenWeights):  # a LoRA run's reference is the base weights themselves
+            yield from self.reference.saved
+        yield from self._weights()
+        for buffer in self._ddp_buffers():
             yield buffer.grad_data
         for sub in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             for group in sub.optimizer.param_groups:

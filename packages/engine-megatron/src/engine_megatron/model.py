@@ -10,6 +10,7 @@ ckpt-convert's `mcore_model_config`, so engine and converter agree on every fiel
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import logging
@@ -25,7 +26,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ckpt_convert.mcore_model import MCoreModelConfig
+from engine_megatron import lora
+from engine_megatron.config import LoRAConfig
 from engine_megatron.parallel import ParallelRanks
+from rl_core.lora import merge_named
 
 logger = logging.getLogger(__name__)
 
@@ -42,28 +46,47 @@ def te_available() -> bool:
     return True
 
 
-def layer_spec(cfg: MCoreModelConfig) -> Any:
+def layer_spec(cfg: MCoreModelConfig, lora: bool = False) -> Any:
     """The layer spec, chosen once: Transformer Engine with CUDA, megatron's local modules otherwise
-    (with `PackedDotProductAttention` as core attention: THD packed rows without TE)."""
+    (with `PackedDotProductAttention` as core attention: THD packed rows without TE). With `lora` always the local
+    modules, their linears those of lora_layers.py: TE's linear_qkv / linear_fc1 fuse the input norm, and the
+    adapters need the normalised input they see."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     tc = cfg.transformer_config
     kwargs = dict(num_experts=tc.num_moe_experts, moe_grouped_gemm=tc.moe_grouped_gemm,
                   qk_layernorm=tc.qk_layernorm)
-    if te_available():
+    if te_available() and not lora:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**kwargs)
+    if te_available():
+        logger.info("LoRA: megatron's local layer spec, although transformer-engine is available (its fused "
+                    "norm + linear hides the adapters' input)")
     from engine_megatron.packed_attention import PackedDotProductAttention, use_one_call_thd_rope
 
     use_one_call_thd_rope()
     spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=tc.normalization, **kwargs)
     # megatron's local DotProductAttention rejects THD packed_seq_params; this subclass takes them
     spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    if lora:
+        _use_lora_linears(spec)
     return spec
 
 
+def _use_lora_linears(spec: Any) -> None:
+    """The local spec's four linears of a dense layer replaced by their LoRA subclasses (adapters come later)."""
+    from engine_megatron.lora_layers import LoRAColumnParallelLinear, LoRARowParallelLinear
+
+    attention, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp
+    # megatron-core 0.19 wraps the MLP's spec as functools.partial(MLP.as_mlp_submodule, submodules=...)
+    mlp = mlp.keywords["submodules"] if isinstance(mlp, functools.partial) else mlp.submodules
+    attention.linear_qkv, attention.linear_proj = LoRAColumnParallelLinear, LoRARowParallelLinear
+    mlp.linear_fc1, mlp.linear_fc2 = LoRAColumnParallelLinear, LoRARowParallelLinear
+
+
 def build_gpt_model(cfg: MCoreModelConfig, *, pre_process: bool | None = None, post_process: bool | None = None,
-                    vp_stage: int | None = None) -> Any:
-    """Build the megatron GPTModel for this rank (parallel_state must be initialised by the caller)."""
+                    vp_stage: int | None = None, lora_cfg: LoRAConfig | None = None) -> Any:
+    """Build the megatron GPTModel for this rank (parallel_state must be initialised by the caller); with
+    `lora_cfg`, adapters on its targets and the base frozen (lora_layers.apply_lora)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
@@ -77,7 +100,8 @@ def build_gpt_model(cfg: MCoreModelConfig, *, pre_process: bool | None = None, p
     if post_process is None:
         post_process = ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     model = GPTModel(
-        config=cfg.transformer_config, transformer_layer_spec=layer_spec(cfg), vocab_size=cfg.vocab_size,
+        config=cfg.transformer_config, transformer_layer_spec=layer_spec(cfg, lora_cfg is not None),
+        vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_sequence_length, pre_process=pre_process, post_process=post_process,
         share_embeddings_and_output_weights=cfg.share_embeddings_and_output_weights,
         position_embedding_type=cfg.position_embedding_type, rotary_base=cfg.rotary_base,
@@ -92,11 +116,17 @@ def build_gpt_model(cfg: MCoreModelConfig, *, pre_process: bool | None = None, p
             base, factor=cfg.rope_scaling_factor, low_freq_factor=cfg.rope_low_freq_factor,
             high_freq_factor=cfg.rope_high_freq_factor,
             original_max_position_embeddings=cfg.rope_original_max_position_embeddings)
+    if lora_cfg is not None:
+        from engine_megatron.lora_layers import apply_lora
+
+        apply_lora(model, cfg, lora_cfg)
     return model
 
 
-def build_ddp_model(model_cfg: Any, ddp_overrides: dict[str, Any], ranks: ParallelRanks) -> Any:
-    """This rank's GPTModel stage wrapped in megatron's DistributedDataParallel."""
+def build_ddp_model(model_cfg: Any, ddp_overrides: dict[str, Any], ranks: ParallelRanks,
+                    lora_cfg: LoRAConfig | None = None) -> Any:
+    """This rank's GPTModel stage wrapped in megatron's DistributedDataParallel (with `lora_cfg`: around the
+    adapters only, the base frozen before the wrap)."""
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -107,7 +137,8 @@ def build_ddp_model(model_cfg: Any, ddp_overrides: dict[str, Any], ranks: Parall
     from engine_megatron.compat import device_context
 
     with device_context():
-        module = build_gpt_model(model_cfg, pre_process=ranks.first_stage, post_process=ranks.last_stage)
+        module = build_gpt_model(model_cfg, pre_process=ranks.first_stage, post_process=ranks.last_stage,
+                                 lora_cfg=lora_cfg)
         if torch.cuda.is_available():
             module.cuda()
         tf_config = module.config
@@ -171,13 +202,15 @@ def convert_once(hf_dir: str, cache_root: str | None, tp: int, pp: int, ep: int,
 
 
 def load_converted(model: Any, ckpt_dir: Path) -> None:
-    """dist_checkpointing.load of a converted checkpoint into this rank's shard (any TP/PP/EP)."""
+    """dist_checkpointing.load of a converted checkpoint into this rank's shard (any TP/PP/EP); LoRA adapters
+    keep their initial values (an HF checkpoint has none)."""
     from megatron.core import dist_checkpointing
 
     module = gpt_model(model)
-    state = dist_checkpointing.load(module.sharded_state_dict(), str(ckpt_dir))
+    sharded = {key: value for key, value in module.sharded_state_dict().items() if not lora.is_adapter(key)}
+    state = dist_checkpointing.load(sharded, str(ckpt_dir))
     missing, unexpected = module.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
+    missing = [k for k in missing if not k.endswith("_extra_state") and not lora.is_adapter(k)]
     if missing or unexpected:
         raise ValueError(f"checkpoint {ckpt_dir} does not match the model: missing {missing}, unexpected {unexpected}")
 
@@ -210,55 +243,90 @@ def _tp_gather(model_cfg: Any, param: Tensor, name: str) -> Tensor:
         return param.detach()
     shards = [torch.empty_like(param) for _ in range(size)]
     dist.all_gather(shards, param.detach().contiguous(), group=group)
+    if lora.is_adapter(name):  # one HF module's factor: a plain shard of it
+        return torch.cat(shards, dim=param.partition_dim)
     return merge_tp_shards(model_cfg, name, shards)  # fused gate/up shards are not a plain concat
 
 
-def export_hf_tensors(model: Any, model_cfg: Any, hf_config: Any, ranks: ParallelRanks) -> Iterator[tuple[str, Tensor]]:
+def export_hf_tensors(model: Any, model_cfg: Any, hf_config: Any, ranks: ParallelRanks,
+                      lora_scaling: float = 0.0) -> Iterator[tuple[str, Tensor]]:
     """Every full parameter under its HF name(s), one at a time, the same stream on every rank."""
-    return hf_export(model, model_cfg, hf_config, ranks)[1]
+    return hf_export(model, model_cfg, hf_config, ranks, lora_scaling)[1]
 
 
-def hf_export(model: Any, model_cfg: Any, hf_config: Any,
-              ranks: ParallelRanks) -> tuple[list[list[tuple[str, tuple[int, ...], torch.dtype]]],
-                                             Iterator[tuple[str, Tensor]]]:
+def hf_export(model: Any, model_cfg: Any, hf_config: Any, ranks: ParallelRanks,
+              lora_scaling: float = 0.0) -> tuple[list[list[tuple[str, tuple[int, ...], torch.dtype]]],
+                                                  Iterator[tuple[str, Tensor]]]:
     """(plan, stream): the HF (name, shape, dtype) of each mcore tensor in stream order, known before
-    any data moves (what a streaming safetensors writer needs), and the stream of full tensors."""
+    any data moves (what a streaming safetensors writer needs), and the stream of full tensors.
+
+    A LoRA run's adapted weights are sent merged, W + lora_scaling * B @ A (rl_core.lora.merge: float32, rounded
+    once), under the base weight's HF name, and the adapters not at all (`adapter_export`). The merge is done on
+    the HF tensors of the gathered megatron weight, each with its own adapter: the same sums as on megatron's fused
+    layout, entry by entry, and the DTensor engine's exactly."""
     from ckpt_convert.mapping import mcore_to_hf_tensors
 
-    module = gpt_model(model)
-    num_local = (getattr(module.config, "num_moe_experts", None) or 0) // max(ranks.ep_size, 1)
-    local = {}
-    for name, param in module.named_parameters():
-        if name == "output_layer.weight" and module.share_embeddings_and_output_weights:
-            continue  # tied: the embedding is the one exported
-        local[_global_name(module, name, ranks, num_local)] = param
-    # Agree on every name's owner (the lowest global rank holding it), full shape and dtype.
-    mine = {n: (_full_shape(p), str(p.dtype).removeprefix("torch.")) for n, p in local.items()}
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (dist.get_rank(), mine))
-    owners: dict[str, tuple[int, tuple[int, ...], str]] = {}
-    for rank, names in sorted(everyone):
-        for n, (shape, dtype) in names.items():
-            owners.setdefault(n, (rank, shape, dtype))
-    order = sorted(owners, key=_export_order)
+    params = _GatheredParams(model, model_cfg, ranks)
+    order = sorted((n for n in params.owners if not lora.is_adapter(n)), key=_export_order)
+    adapters_of: dict[str, list[str]] = {}
+    for name in params.owners:
+        if lora.is_adapter(name):
+            adapters_of.setdefault(lora.base_weight(name), []).append(name)
     plan = []
     for n in order:
-        meta = torch.empty(owners[n][1], dtype=getattr(torch, owners[n][2]), device="meta")
+        meta = torch.empty(params.owners[n][1], dtype=getattr(torch, params.owners[n][2]), device="meta")
         plan.append([(hf, tuple(t.shape), t.dtype) for hf, t in mcore_to_hf_tensors(model_cfg, hf_config, n, meta)])
 
     def stream() -> Iterator[tuple[str, Tensor]]:
-        device = next(iter(local.values())).device
         for n in order:
-            owner, shape, dtype = owners[n]
-            if n in local:  # every rank of the owner's TP group takes part in the gather
-                full = _tp_gather(model_cfg, local[n], n).contiguous()
-            else:
-                full = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-            if dist.get_world_size() > 1:
-                dist.broadcast(full, src=owner)  # PP stages and EP ranks that do not hold it receive it
-            yield from mcore_to_hf_tensors(model_cfg, hf_config, n, full.cpu())
+            tensors = mcore_to_hf_tensors(model_cfg, hf_config, n, params.full(n))
+            adapters = {lora.hf_adapter_name(model_cfg, a): params.full(a) for a in adapters_of.get(n, [])}
+            yield from merge_named(tensors, adapters, lora_scaling)
 
     return plan, stream()
+
+
+def adapter_export(model: Any, model_cfg: Any, ranks: ParallelRanks) -> Iterator[tuple[str, Tensor]]:
+    """(HF name, full tensor) of every LoRA adapter's A and B (peft's names without its prefix), one at a time;
+    every rank must consume it."""
+    params = _GatheredParams(model, model_cfg, ranks)
+    for name in sorted((n for n in params.owners if lora.is_adapter(n)), key=_export_order):
+        yield lora.hf_adapter_name(model_cfg, name), params.full(name)
+
+
+class _GatheredParams:
+    """The model's parameters under global names (TP=PP=EP=1 names; the tied output layer left out), and their
+    full tensors on every rank, one collective at a time."""
+
+    def __init__(self, model: Any, model_cfg: Any, ranks: ParallelRanks) -> None:
+        module = gpt_model(model)
+        num_local = (getattr(module.config, "num_moe_experts", None) or 0) // max(ranks.ep_size, 1)
+        self.model_cfg = model_cfg
+        self.local = {}
+        for name, param in module.named_parameters():
+            if name == "output_layer.weight" and module.share_embeddings_and_output_weights:
+                continue  # tied: the embedding is the one exported
+            self.local[_global_name(module, name, ranks, num_local)] = param
+        # Agree on every name's owner (the lowest global rank holding it), full shape and dtype.
+        mine = {n: (_full_shape(p), str(p.dtype).removeprefix("torch.")) for n, p in self.local.items()}
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (dist.get_rank(), mine))
+        self.owners: dict[str, tuple[int, tuple[int, ...], str]] = {}
+        for rank, names in sorted(everyone):
+            for n, (shape, dtype) in names.items():
+                self.owners.setdefault(n, (rank, shape, dtype))
+        self.device = next(iter(self.local.values())).device
+
+    def full(self, name: str) -> Tensor:
+        """The full tensor `name` on the CPU: gathered over TP by its owner's TP group, broadcast to the others."""
+        owner, shape, dtype = self.owners[name]
+        if name in self.local:  # every rank of the owner's TP group takes part in the gather
+            full = _tp_gather(self.model_cfg, self.local[name], name).contiguous()
+        else:
+            full = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
+        if dist.get_world_size() > 1:
+            dist.broadcast(full, src=owner)  # PP stages and EP ranks that do not hold it receive it
+        return full.cpu()
 
 
 def _full_shape(param: Tensor) -> tuple[int, ...]:
