@@ -6,7 +6,8 @@ Ranks are spawned with NCCL (`run_distributed(..., backend=CUDA_BACKEND)`): neve
   time on new lengths printed);
 - context parallelism (needs TE's attention), with seqpack's load-balanced layout;
 - offload / onload of DDP buffers and optimizer state (a no-op on CPU);
-- no host synchronisation per layer in a packed bf16 training pass.
+- no host synchronisation per layer in a packed bf16 training pass;
+- LoRA, which takes megatron's local layer spec even where TE is installed, against the DTensor engine's LoRA.
 The layout tests compare with the single-GPU padded run, like the CPU layout tests.
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from megatron_testutil import assert_same_run, engine_run, make_policy
+from megatron_testutil import assert_same_run, dtensor_run, engine_run, make_policy
 
 from rl_core.testing.distributed import CUDA_BACKEND, run_distributed
 
@@ -171,3 +172,15 @@ def test_packed_training_pass_syncs_the_host_independently_of_depth(tmp_path, pr
     print(f"synchronizing CUDA calls in one packed forward_backward by layers: {counts}")
     assert counts[1] >= 1, counts  # the instrument works: the pass reads its loss once at the end
     assert counts[1] == counts[3], counts
+
+
+@pytest.mark.gpu
+def test_lora_on_gpu_trains_the_dtensor_engines_adapters(tiny_ckpt) -> None:
+    """LoRA on CUDA, packed, fp32: megatron's local layer spec (with TE installed too: TE's fused norm + linear hides
+    the adapters' input) trains what the DTensor engine's LoRA trains on the same GPU, over 3 AdamW steps."""
+    ckpt = tiny_ckpt("qwen2")
+    lora = {"enabled": True, "dim": 4, "alpha": 8.0}
+    dtensor = run_distributed(dtensor_run, world_size=1, args=(ckpt, {"lora_cfg": lora}, 3), backend=CUDA_BACKEND)
+    megatron = run_distributed(engine_run, world_size=1, args=(ckpt, {"lora_cfg": lora}, PACKING, 3),
+                               backend=CUDA_BACKEND)
+    assert_same_run(megatron, dtensor, logprob_tol=2e-5, weight_rel_tol=1e-5, weight_abs_tol=1e-4)
