@@ -89,3 +89,21 @@ def test_foreach_clip_grad_ops_equal_megatrons_without_host_reads() -> None:
     fixes = apply_fallback_fixes()
     assert {"clip-grads-foreach-l2-norm", "clip-grads-foreach-scale"} <= set(fixes)
     assert clip_grads.l2_norm_impl is foreach_l2_norm and clip_grads.multi_tensor_scale_impl is foreach_scale
+
+
+def test_megatrons_fallback_warnings_are_not_printed_once_the_engine_is_imported() -> None:
+    """megatron-core warns at import (once per module, in every process: the driver and each rank) that it falls
+    back to torch without TE / apex; the engine logs its resolved attention and fusions instead. In a fresh
+    interpreter with Python's default filters: printed without the engine package, not with it."""
+    script = textwrap.dedent("""
+        import sys
+        if sys.argv[1] == "engine":
+            import engine_megatron
+        import megatron.core.optimizer
+        from megatron.core.models.gpt import gpt_layer_specs
+        gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    """)
+    stderr = {mode: subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True,
+                                   check=True).stderr for mode in ("bare", "engine")}
+    for fallback in ("Transformer Engine and Apex are not installed", "Apex is not installed"):
+        assert fallback in stderr["bare"] and fallback not in stderr["engine"], (fallback, stderr["engine"][-2000:])
