@@ -10,8 +10,9 @@ Models (random init std 0.02, built locally and cached under ~/.cache/rl-stack/b
 loss on the second half of each. Layouts: packed (sequence packing, --mb-tokens per micro-batch) and
 unpacked (dynamic batching, padded rows, the same token budget). Engines: dtensor, megatron, and
 dtensor-compile (`policy.dtensor_cfg.compile`: torch.compile per decoder layer, fusing the RMSNorm, RoPE,
-SwiGLU and residual elementwise passes that HF's eager layers run one kernel each) and dtensor-lora
-(`policy.dtensor_cfg.lora_cfg`, rank 16 on every decoder linear layer: the peak memory is the point; its MFU
+SwiGLU and residual elementwise passes that HF's eager layers run one kernel each), dtensor-lora and
+megatron-lora
+(`policy.<engine>_cfg.lora_cfg`, rank 16 on every decoder linear layer: the peak memory is the point; its MFU
 counts the FLOPs of full training, which LoRA does not spend on the frozen weights' gradients).
 
 Each (model, engine, layout) runs in a fresh process (spawned: CUDA) so peaks and first calls are its own.
@@ -111,9 +112,10 @@ def _rank_fn(rank: int, world: int, model: str, engine_name: str, packed: bool, 
     from rl_core.registry import create_engine
 
     rate = gemm_rate(device, torch.bfloat16, n=gemm_n)
-    megatron = engine_name == "megatron"
-    extra = {"dtensor-compile": {"dtensor_cfg": {"compile": True}},
-             "dtensor-lora": {"dtensor_cfg": {"lora_cfg": {"enabled": True, "dim": 16}}}}.get(engine_name, {})
+    megatron = engine_name.startswith("megatron")
+    lora = {"lora_cfg": {"enabled": True, "dim": 16}}
+    extra = {"dtensor-compile": {"dtensor_cfg": {"compile": True}}, "dtensor-lora": {"dtensor_cfg": lora},
+             "megatron-lora": {"megatron_cfg": {"enabled": True, **lora}}}.get(engine_name, {})
     policy = policy_config(model, packing=packed, mb_tokens=mb_tokens, megatron=megatron, precision="bfloat16",
                            **extra)
     engine = create_engine(policy)
@@ -160,8 +162,8 @@ def main() -> None:
     parser.add_argument("--models", default="0.5b,8x2048")
     parser.add_argument("--engines", default="dtensor,megatron",
                         help="of dtensor, megatron, dtensor-compile (policy.dtensor_cfg.compile: each decoder layer "
-                             "through torch.compile), dtensor-lora (rank-16 LoRA on every linear layer of the decoder: "
-                             "its MFU still counts full-training FLOPs)")
+                             "through torch.compile), dtensor-lora and megatron-lora (rank-16 LoRA on every linear "
+                             "layer of the decoder: their MFU still counts full-training FLOPs)")
     parser.add_argument("--layouts", default="packed,unpacked")
     parser.add_argument("--seqs", type=int, default=128)
     parser.add_argument("--median", type=int, default=512)

@@ -14,7 +14,7 @@
 #                   profiled once (top CUDA kernels, wall vs kernel time)            [~4.5 min unprofiled]
 #   engines-8x2048  the same on 8 layers x hidden 2048                                [not run yet]
 #   engines-compile the 0.5B shape, packed, DTensor with policy.dtensor_cfg.compile   [not run yet]
-#   engines-lora    both shapes, packed, DTensor with rank-16 LoRA (peak memory against engines-0.5b's) [not run yet]
+#   engines-lora    both shapes, packed, both engines with rank-16 LoRA (peak memory against engines-0.5b's) [not run yet]
 #   generation      packages/rollout/bench/bench_generation.py --device cuda (0.5B, 1.5B) [0.5B < 3 min;
 #                   1.5B: its checkpoint build and HF's row took most of 140 s, ours not measured yet]
 #   grpo            bench/grpo_vs_trl.py --device cuda, both engines and TRL, one round [not run yet]
@@ -52,7 +52,7 @@ for part in "${parts[@]}"; do
     engines-8x2048) run engines-8x2048 560 $py bench/gpu_engines.py --models 8x2048 --profile 15 ;;
     engines-compile) run engines-compile 560 $py bench/gpu_engines.py --models 0.5b --engines dtensor-compile \
             --layouts packed --profile 15 ;;
-    engines-lora) run engines-lora 400 $py bench/gpu_engines.py --models 0.5b,8x2048 --engines dtensor-lora \
+    engines-lora) run engines-lora 400 $py bench/gpu_engines.py --models 0.5b,8x2048 --engines dtensor-lora,megatron-lora \
             --layouts packed ;;
     generation) run generation 560 $py packages/rollout/bench/bench_generation.py --device cuda ;;
     grpo) run grpo 560 $py bench/grpo_vs_trl.py --device cuda --engines dtensor,megatron --rounds 1 \

@@ -12,6 +12,8 @@ import subprocess
 import sys
 import textwrap
 
+import torch
+
 
 def test_fallback_fixes_apply_when_cuda_is_available() -> None:
     script = textwrap.dedent("""
@@ -107,3 +109,36 @@ def test_megatrons_fallback_warnings_are_not_printed_once_the_engine_is_imported
                                    check=True).stderr for mode in ("bare", "engine")}
     for fallback in ("Transformer Engine and Apex are not installed", "Apex is not installed"):
         assert fallback in stderr["bare"] and fallback not in stderr["engine"], (fallback, stderr["engine"][-2000:])
+
+
+def test_a_frozen_output_layers_input_gradient_is_one_mm_without_copies() -> None:
+    """LoRA freezes the output layer, whose input gradient megatron computes in `LinearWithFrozenWeight`; the logits'
+    gradient reaches it as a transposed view ([b, s, V] -> [s, b, V], two padded rows here). Patched: no bmm over a
+    per-token copy of the weight (megatron-core 0.16), no copy of the logits-sized gradient (0.19 reshapes it), and
+    the float64 product."""
+    from megatron.core.tensor_parallel.layers import LinearWithFrozenWeight
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from engine_megatron.fallback_fixes import apply_fallback_fixes
+
+    assert "frozen-weight-dgrad-mm" in apply_fallback_fixes()
+    tokens, hidden, vocab = 37, 16, 1000
+    weight = torch.randn(vocab, hidden)
+    x = torch.randn(tokens, 2, hidden, requires_grad=True)
+    logits = LinearWithFrozenWeight.apply(x, weight, None, False, None).transpose(0, 1).contiguous()  # as GPTModel
+    grad_logits = torch.randn(2, tokens, vocab)
+
+    class Ops(TorchDispatchMode):
+        seen: list[tuple[str, int]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            out = func(*args, **(kwargs or {}))
+            self.seen.append((str(func), out.numel() if isinstance(out, torch.Tensor) else 0))
+            return out
+
+    with Ops():
+        logits.backward(grad_logits)
+    assert not [op for op, _ in Ops.seen if "bmm" in op], Ops.seen
+    assert not [(op, n) for op, n in Ops.seen if ("copy" in op or "clone" in op) and n >= tokens * vocab], Ops.seen
+    expected = (grad_logits.double().transpose(0, 1) @ weight.double()).float()
+    torch.testing.assert_close(x.grad, expected, rtol=1e-5, atol=1e-4)  # fp32 sums of 1000 products ~30

@@ -5,7 +5,9 @@ Without TE and apex, megatron builds its local layer spec with `WrappedTorchNorm
 but not CPU-specific: a GPU without TE hits them the same way (tensor parallelism turns sequence parallelism
 on, a resumed run loads the optimizer). Without apex, grad-norm clipping loops over the parameters in
 Python and reads each parameter's norm on the host (a sync per parameter on CUDA, every step); torch's
-foreach kernels replace that loop. `apply_fallback_fixes()` patches them once per process, before
+foreach kernels replace that loop. A frozen linear's input gradient (LoRA freezes the output layer) ran as a bmm over
+its weight copied for every token (see `frozen_weight_dgrad`). `apply_fallback_fixes()` patches them once per
+process, before
 models are built; each patch only touches the fallback it fixes, so it changes nothing where TE or apex is
 used. `engine_megatron.megatron_cpu` adds the CPU-only adaptations on top.
 """
@@ -21,7 +23,8 @@ import torch
 @functools.cache
 def apply_fallback_fixes() -> list[str]:
     """Apply the fixes once (idempotent); return their names."""
-    return [*_patch_torch_norm(), *_patch_moe_router(), *_patch_optimizer_state(), *_patch_multi_tensor_ops()]
+    return [*_patch_torch_norm(), *_patch_moe_router(), *_patch_optimizer_state(), *_patch_multi_tensor_ops(),
+            *_patch_frozen_weight_dgrad()]
 
 
 def _patch_torch_norm() -> list[str]:
@@ -139,3 +142,31 @@ def _patch_multi_tensor_ops() -> list[str]:
         clip_grads.multi_tensor_scale_impl = foreach_scale
         patched.append("clip-grads-foreach-scale")
     return patched
+
+
+def frozen_weight_dgrad(grad_output: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """grad_output @ weight as one mm, without copying grad_output. megatron's `LinearWithFrozenWeight` computes
+    `grad_output.matmul(weight)`; the output layer's gradient comes back from the [b, s, V] logits as a transposed
+    [s, b, V] view, whose leading dims torch 2.13 does not fold, so matmul broadcast the weight to every token and
+    ran a bmm (megatron-core 0.16; on the CPU a V x h copy per token: a tiny LoRA model's step took 6.9x as long).
+    megatron-core 0.19 reshapes to 2D first, which copies the logits-sized gradient when a micro-batch has several
+    padded rows (b > 1). Here the view is turned back: no copy either way."""
+    if grad_output.dim() == 3 and not grad_output.is_contiguous() and grad_output.transpose(0, 1).is_contiguous():
+        return torch.matmul(grad_output.transpose(0, 1), weight).transpose(0, 1)
+    return torch.matmul(grad_output.reshape(-1, grad_output.size(-1)), weight).view(*grad_output.shape[:-1], -1)
+
+
+def _patch_frozen_weight_dgrad() -> list[str]:
+    from megatron.core.tensor_parallel import layers
+
+    @staticmethod
+    @layers.custom_bwd
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (weight,) = ctx.saved_tensors
+        grad_input = frozen_weight_dgrad(grad_output, weight)
+        if ctx.allreduce_dgrad:
+            torch.distributed.all_reduce(grad_input, group=ctx.tp_group)
+        return grad_input, None, None, None, None
+
+    layers.LinearWithFrozenWeight.backward = backward
+    return ["frozen-weight-dgrad-mm"]
