@@ -176,6 +176,41 @@ def test_kill_after_step_3_and_resume_reproduces_steps_4_to_6(tmp_path, async_ro
 
 
 @pytest.mark.slow
+def test_wandb_offline_run_has_every_step_and_a_resume_rewinds_it(tmp_path, monkeypatch):
+    """logger.wandb offline: the W&B run holds metrics.jsonl's records (read by wandb's own reader); resumed from
+    step 3 of 4, the same W&B run is rewound to step 2, so its steps from 3 on are the resumed run's."""
+    pytest.importorskip("wandb")
+    for name in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / "wandb_home"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # unreachable: offline must not need it
+    overrides = ["grpo.val_every=2", "checkpointing.save_every=2", "env.num_workers=0",
+                 "generation.in_policy_workers=true", "logger.wandb.enabled=true", "logger.wandb.mode=offline"]
+    log_dir = tmp_path / "run"
+    first = run_grpo(log_dir, "grpo.max_steps=3", *overrides)
+    resumed = run_grpo(log_dir, "grpo.max_steps=4", *overrides)  # from step_3: its validation record again
+    runs = [wandb_offline_run(d) for d in sorted((log_dir / "wandb").glob("offline-run-*"))]
+    assert [rows for _, rows in runs] == [first, resumed[3:]]
+    (first_run, _), (second_run, _) = runs
+    assert first_run["run_id"] == second_run["run_id"] == (log_dir / "wandb_run_id").read_text()
+    assert second_run["branch_point"]["value"] == 2
+    assert sorted(train_records(resumed)) == [0, 1, 2, 3]
+    assert first_run["config"]["update"]["grpo"]["max_steps"] == 3
+
+
+def wandb_offline_run(run_dir: Path) -> tuple[dict, list[dict]]:
+    """An offline W&B run's run record and history rows as metrics.jsonl records (W&B's own keys and the summary
+    plot left out), by wandb's reader of its run files."""
+    out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(run_dir)], check=True,
+                         capture_output=True, text=True, timeout=60).stdout
+    records = [json.loads(line) for line in out.splitlines() if line.strip()]
+    rows = [r["history"]["item"] for r in records if r["type"] == "history"]
+    run = next(r["run"] for r in records if r["type"] == "run")
+    return run, [{"step": row["_step"], **{k: v for k, v in row.items() if not k.startswith(("_", "summary/plot"))}}
+                 for row in rows]
+
+
+@pytest.mark.slow
 def test_default_run_learns_within_ten_minutes(tmp_path):
     """`uv run apps/grpo` as shipped: validation reward rises by >= 0.3 and the run ends with its summary."""
     env = {**os.environ, "RL_STACK_CACHE": str(tmp_path / "cache")}

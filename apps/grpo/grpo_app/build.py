@@ -23,6 +23,7 @@ from grpo_app.loop import Run
 from grpo_app.metrics_sink import MetricsSink
 from grpo_app.prompts import PromptSource
 from rl_core.checkpoint_io import CheckpointError
+from rl_core.config import to_dict
 from rl_core.losses import ClippedPGLoss
 from rollout.datasets import ANSWER, PromptExample, build_examples, load_prompt_dataset
 from rollout.environments import prompt_fields, toy_prompts
@@ -157,6 +158,7 @@ def find_resume_point(cfg: GRPOConfig, known_damaged: Mapping[Path, str] | None 
 def build_run(cfg: GRPOConfig, inputs: RunInputs, resume_point: ResumePoint | None = None) -> Run:
     sink = MetricsSink(cfg.logger.log_dir, tensorboard=cfg.logger.tensorboard,
                        resume_step=resume_point.step if resume_point is not None else None)
+    sink.start_wandb(cfg.logger.wandb, to_dict(cfg))  # before the workers: a W&B login problem costs seconds
     checkpoints = checkpoint_manager(cfg)
     start_ray(cfg)
     workers = Workers(cfg)

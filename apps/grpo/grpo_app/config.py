@@ -152,11 +152,26 @@ class ClusterConfig:
 
 
 @dataclass(kw_only=True)
+class WandbConfig:
+    """`logger.wandb.*`: Weights & Biases, beside metrics.jsonl and TensorBoard (the optional `wandb` extra).
+    NeMo-RL's `logger.wandb: {project, name}` in one section, its `wandb_enabled` as `enabled`."""
+
+    enabled: bool = False
+    project: str = "grpo"
+    name: str | None = None  # the run's display name; default: the name of logger.log_dir
+    entity: str | None = None  # the team or user; default: the account's default entity
+    tags: list[str] = field(default_factory=list)
+    # offline: the run is written to <log_dir>/wandb only (`wandb sync` uploads it later); null: WANDB_MODE, else online
+    mode: Literal["online", "offline", "disabled"] | None = None
+
+
+@dataclass(kw_only=True)
 class LoggerConfig:
     log_dir: str = "runs/grpo"
     tensorboard: bool = True
     plot: bool = True
     progress_bar: bool = True
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 @dataclass(kw_only=True)

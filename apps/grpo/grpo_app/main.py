@@ -134,7 +134,7 @@ def run_training(cfg: GRPOConfig, inputs: RunInputs, resume_point: ResumePoint |
         finally:
             stop.cleaning_up = True  # from here on a signal does not interrupt it (signals_stop_the_run)
             if run is not None:
-                run.sink.close()
+                run.sink.close(failed=sys.exc_info()[0] is not None)  # in a finally: the exception on its way out
                 run.workers.shutdown()
             if owns_ray:  # here, not in ray.init's exit hook: a signal there interrupted it (signals_stop_the_run)
                 stop_ray()

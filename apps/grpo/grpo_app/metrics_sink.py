@@ -1,4 +1,4 @@
-"""One sink for every metric: JSONL, TensorBoard, the progress bar, the final plot and summary.
+"""One sink for every metric: JSONL, TensorBoard, Weights & Biases, the final plot and summary.
 
 Keys are namespaced (`train/loss`, `rollout/reward_mean`, `val/reward_mean`, `timing/generate_s`).
 """
@@ -11,7 +11,9 @@ import math
 from pathlib import Path
 from typing import Any
 
+from grpo_app.config import WandbConfig
 from rl_core.checkpoint_io import atomic_write_text
+from rl_core.config import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -19,6 +21,7 @@ logger = logging.getLogger(__name__)
 # (`rollout/sampled_ahead`), ran beside the previous step and are not part of its time
 PHASES = ("generate", "reward", "rollout_wait", "logprobs", "train", "refit")
 SAMPLING = ("generate", "reward")
+WANDB_RUN_ID_FILE = "wandb_run_id"  # in the log dir: the W&B run a resumed run continues
 
 
 # what the log line of a step shows where no progress bar does (logger.progress_bar=false), as it is keyed in
@@ -37,17 +40,23 @@ class MetricsSink:
 
     On resume, records from `resume_step` on are dropped from metrics.jsonl (the run repeats them) and
     TensorBoard purges its events from that step (a new event file whose first event is a restart at
-    `resume_step`; readers hide the older events at or after it), so no step is shown twice. Records
-    are strict JSON: a NaN or infinite value is written as null.
+    `resume_step`; readers hide the older events at or after it), and the W&B run (`start_wandb`) is
+    rewound to the step before, so no step is shown twice. Records are strict JSON: a NaN or infinite
+    value is written as null.
     """
 
     def __init__(self, log_dir: Path, *, tensorboard: bool, resume_step: int | None) -> None:
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = self.log_dir / "metrics.jsonl"
+        self.resume_step = resume_step
         self.history: list[dict[str, Any]] = []
+        self.last_dropped_step: int | None = None  # the last step logged before that the resumed run repeats
+        self.wandb_run: Any = None  # a wandb Run once start_wandb ran
         if resume_step is not None and self.jsonl_path.exists():
-            self.history = [r for r in read_jsonl(self.jsonl_path) if r["step"] < resume_step]
+            logged = read_jsonl(self.jsonl_path)
+            self.history = [r for r in logged if r["step"] < resume_step]
+            self.last_dropped_step = max((r["step"] for r in logged if r["step"] >= resume_step), default=None)
         elif self.jsonl_path.exists():
             logger.warning("%s is from a run without a checkpoint to resume from: starting it again",
                            self.jsonl_path)
@@ -58,6 +67,50 @@ class MetricsSink:
 
             self.writer = SummaryWriter(str(self.log_dir / "tensorboard"), purge_step=resume_step or 0)
 
+    def start_wandb(self, cfg: WandbConfig, run_config: dict[str, Any]) -> None:
+        """From now on every record goes to a W&B run too (nothing where logger.wandb.enabled is false), with the
+        resolved config. The run's id is kept in <log_dir>/wandb_run_id, so a resumed run continues its W&B run."""
+        if not cfg.enabled:
+            return
+        import wandb
+
+        settings = dict(project=cfg.project, name=cfg.name or self.log_dir.name, entity=cfg.entity, tags=cfg.tags,
+                        mode=cfg.mode, dir=str(self.log_dir), config=run_config)
+        id_path = self.log_dir / WANDB_RUN_ID_FILE
+        resumes = bool(self.resume_step) and id_path.exists()
+        try:
+            self.wandb_run = (self._continue_wandb(id_path.read_text().strip(), settings) if resumes
+                              else wandb.init(**settings))
+        except (wandb.errors.UsageError, wandb.errors.AuthenticationError) as exc:  # not logged in, above all
+            raise ConfigError(f"logger.wandb: W&B did not start the run: {exc} (or WANDB_API_KEY); or set "
+                              "logger.wandb.mode=offline (upload later with `wandb sync`), or "
+                              "logger.wandb.enabled=false") from None
+        if not resumes:
+            atomic_write_text(id_path, self.wandb_run.id)
+            for record in self.history:  # a resumed run that W&B did not follow before: its earlier steps as well
+                self._log_wandb(record)
+
+    def _continue_wandb(self, run_id: str, settings: dict[str, Any]) -> Any:
+        """The W&B run `run_id`, continued at `resume_step`. W&B refuses a step below the last one it has, so where
+        it has the steps the run repeats, the run is rewound (wandb's `resume_from`) to the step before them."""
+        import wandb
+
+        if self.last_dropped_step is None:
+            return wandb.init(id=run_id, resume="allow", **settings)
+        try:
+            return wandb.init(resume_from=f"{run_id}?_step={self.resume_step - 1}", **settings)
+        except wandb.errors.AuthenticationError:
+            raise
+        except (wandb.errors.CommError, wandb.errors.UnsupportedError) as exc:  # rewind is a W&B preview feature,
+            # not on every account or server
+            logger.warning("W&B did not rewind run %s to step %d (%s): steps %d..%d are not logged to W&B again, "
+                           "which keeps their first values; metrics.jsonl and TensorBoard have the new ones", run_id,
+                           self.resume_step - 1, exc, self.resume_step, self.last_dropped_step)
+            return wandb.init(id=run_id, resume="allow", **settings)
+
+    def _log_wandb(self, record: dict[str, Any]) -> None:
+        self.wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **{k: _finite_or_none(v) for k, v in metrics.items()}}
         self.history.append(record)
@@ -67,13 +120,16 @@ class MetricsSink:
             for key, value in metrics.items():
                 self.writer.add_scalar(key, float(value), step)
             self.writer.flush()
+        if self.wandb_run is not None:
+            self._log_wandb(record)
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
         points = [(r["step"], r[key]) for r in self.history if r.get(key) is not None]
         return [p[0] for p in points], [p[1] for p in points]
 
     def plot(self, path: Path) -> Path:
-        """PNG: train and validation reward over steps, and the stacked per-phase step time."""
+        """PNG: train and validation reward over steps, and the stacked per-phase step time (and in the W&B run,
+        as `summary/plot` at the last step)."""
         import matplotlib
 
         matplotlib.use("Agg")
@@ -97,6 +153,10 @@ class MetricsSink:
         fig.tight_layout()
         fig.savefig(path, dpi=100)
         plt.close(fig)
+        if self.wandb_run is not None and self.history:
+            import wandb
+
+            self.wandb_run.log({"summary/plot": wandb.Image(str(path))}, step=self.history[-1]["step"])
         return path
 
     def summary(self) -> str:
@@ -134,9 +194,13 @@ class MetricsSink:
                              if phase not in beside and record.get(f"timing/{phase}_s") is not None})
         return steps, per_step
 
-    def close(self) -> None:
+    def close(self, *, failed: bool = False) -> None:
+        """`failed`: the run stopped on an error or a signal (its W&B run is marked failed, not finished)."""
         if self.writer is not None:
             self.writer.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish(exit_code=1 if failed else 0)
+            self.wandb_run = None
 
 
 def _finite_or_none(value: float) -> float | None:

@@ -4,8 +4,8 @@ Resolves `tiny:<arch>` model names to a locally built, cached tiny checkpoint (t
 checks what would otherwise fail minutes later inside a Ray actor: counts and sizes, the engine layout
 against `cluster.train_world_size`, the optimizer, `generation.backend_kwargs` and `env.kwargs` against
 the constructors they are passed to (and the backend's own value rules, `check_options`), the prompt datasets
-(a Hub dataset's split and subset from its file listing), the model directory (grpo_app.model_check) and
-`cluster.address`.
+(a Hub dataset's split and subset from its file listing), the model directory (grpo_app.model_check),
+`cluster.address` and, with logger.wandb.enabled, that wandb is installed.
 Every failure is a ConfigError naming the key or file and the fix; main() turns it into exit code 2.
 """
 
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from grpo_app.checkpoint import HF_DIR, STATE_FILE
-from grpo_app.config import EnvConfig, GRPOConfig
+from grpo_app.config import EnvConfig, GRPOConfig, WandbConfig
 from grpo_app.devices import check_hardware, detect_hardware
 from grpo_app.model_check import check_model_dir
 from grpo_app.model_shapes import SHAPE_PREFIX, cached_shape_checkpoint
@@ -251,6 +251,14 @@ def check_backend_installed(cfg: GRPOConfig, backend_cls: type) -> None:
                               f"which this environment lacks: {install}; or set generation.backend=torch")
 
 
+def check_wandb_installed(wandb: WandbConfig) -> None:
+    """logger.wandb.enabled finds wandb (an optional dependency) in the driver, the one process that logs."""
+    if wandb.enabled and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("logger.wandb.enabled=true needs the wandb package, which this environment lacks: "
+                          "uv sync --extra wandb (pip install wandb outside the workspace); or set "
+                          "logger.wandb.enabled=false")
+
+
 def resolve_model(cfg: GRPOConfig) -> GRPOConfig:
     name = cfg.policy.model_name
     if name.startswith(TINY_PREFIX):
@@ -428,6 +436,8 @@ def preflight(cfg: GRPOConfig, *, training: bool = True) -> GRPOConfig:
     check_kwargs(backend_cls, cfg.generation.backend_kwargs, "generation.backend_kwargs", given=("model_path",))
     check_backend_options(backend_cls, cfg.generation.backend_kwargs)
     check_backend_installed(cfg, backend_cls)
+    if training:  # eval logs to no W&B run
+        check_wandb_installed(cfg.logger.wandb)
     check_environment(cfg, training=training)
     check_reward_function(cfg)
     cfg = resolve_model(cfg)
