@@ -108,7 +108,8 @@ class CheckpointManager:
 
     def newest_intact(self, known_damaged: Mapping[Path, str] | None = None) -> ResumePoint | None:
         """The newest checkpoint that verifies (None if there is none at all); damaged ones are warned about.
-        `known_damaged`: checkpoints an engine found damaged as it loaded them (path -> what), passed over.
+        `known_damaged`: checkpoints an engine found damaged as it loaded them (path -> what), passed over without
+        a warning (the caller gave one when the engine found it; this runs again after each such find).
 
         Raises CheckpointError when checkpoints exist but none is intact: starting from step 0 would
         silently overwrite the run's metrics.
@@ -119,9 +120,10 @@ class CheckpointManager:
         damaged = []
         for step in reversed(self.steps()):
             path = self.root / f"step_{step}"
+            if path in known_damaged:
+                damaged.append(f"{path.name}: {known_damaged[path]}")
+                continue
             try:
-                if path in known_damaged:
-                    raise CheckpointError(known_damaged[path])
                 verify_manifest(path, sizes_only_under=(POLICY_DIR,))
                 return ResumePoint(path, self.load_state(path))
             except CheckpointError as exc:

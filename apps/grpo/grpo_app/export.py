@@ -126,6 +126,9 @@ def export(plan: ExportPlan, cfg: GRPOConfig) -> None:
                 policy.model_name, plan.out)
     engine_cls.checkpoint_to_hf(str(plan.checkpoint / POLICY_DIR), str(plan.out), model_dir=policy.model_name)
     logger.info("exported: %s (loads with transformers.AutoModelForCausalLM.from_pretrained and vLLM)", plan.out)
+    if (plan.out / "adapter").is_dir():  # a LoRA run's: easy to miss inside the merged model's directory
+        logger.info("the LoRA adapter alone (peft, vLLM --enable-lora; on %s, not on the merged weights): %s",
+                    policy.model_name, plan.out / "adapter")
 
 
 def main(argv: list[str]) -> int:

@@ -164,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return _train(cfg, inputs, resume_point)
         except DamagedOnLoad as exc:  # Ray is down again: the next older checkpoint, as if found damaged first
-            logger.warning("the policy found %s damaged as it loaded it; looking for an older checkpoint", exc.path)
+            logger.warning("checkpoint %s is damaged and skipped: %s (the policy found it as it loaded it); looking "
+                           "for an older checkpoint", exc.path, exc.reason)
             known_damaged[exc.path] = exc.reason
 
 

@@ -78,11 +78,18 @@ class MetricsSink:
                         mode=cfg.mode, dir=str(self.log_dir), config=run_config)
         id_path = self.log_dir / WANDB_RUN_ID_FILE
         resumes = bool(self.resume_step) and id_path.exists()
+        if cfg.mode not in ("offline", "disabled"):  # wandb says only "setting up run" while it retries a server
+            logger.info("starting the W&B run: a server it cannot reach fails after wandb's init_timeout (90 s, "
+                        "WANDB_INIT_TIMEOUT); logger.wandb.mode=offline needs none")
         try:
             self.wandb_run = (self._continue_wandb(id_path.read_text().strip(), settings) if resumes
                               else wandb.init(**settings))
         except (wandb.errors.UsageError, wandb.errors.AuthenticationError) as exc:  # not logged in, above all
             raise ConfigError(f"logger.wandb: W&B did not start the run: {exc} (or WANDB_API_KEY); or set "
+                              "logger.wandb.mode=offline (upload later with `wandb sync`), or "
+                              "logger.wandb.enabled=false") from None
+        except wandb.errors.CommError as exc:  # no network: its message goes on about init_timeout, keep line one
+            raise ConfigError(f"logger.wandb: W&B could not reach its server: {str(exc).splitlines()[0]}; set "
                               "logger.wandb.mode=offline (upload later with `wandb sync`), or "
                               "logger.wandb.enabled=false") from None
         if not resumes:

@@ -35,7 +35,8 @@ RUN = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "poli
        "logger.tensorboard=false", "logger.progress_bar=false", "logger.plot=false", "grpo.max_steps=1",
        "grpo.val_every=0"]
 ENGINE_OVERRIDES = {"dtensor": [], "megatron": ["policy.megatron_cfg.enabled=true"],
-                    "dtensor-lora": ["policy.dtensor_cfg.lora_cfg.enabled=true"]}
+                    "dtensor-lora": ["policy.dtensor_cfg.lora_cfg.enabled=true"],
+                    "megatron-lora": ["policy.megatron_cfg.enabled=true", "policy.megatron_cfg.lora_cfg.enabled=true"]}
 
 
 @pytest.fixture(scope="module")
@@ -101,20 +102,23 @@ def test_export_of_a_run_is_the_checkpointed_policy(trained_run, caplog, engine:
 
 
 @pytest.mark.distributed
-def test_export_of_a_lora_run_writes_the_adapter_its_checkpoint_holds(trained_run, caplog) -> None:
+@pytest.mark.parametrize("engine", ["dtensor-lora", "megatron-lora"])
+def test_export_of_a_lora_run_writes_the_adapter_its_checkpoint_holds(trained_run, caplog, engine: str) -> None:
     """A LoRA run's checkpoint holds, inside its manifested `hf/`, the adapter in PEFT format; the offline export
     writes the same adapter, tensor for tensor, beside the same merged weights."""
     from safetensors.torch import load_file
 
-    run = trained_run("dtensor-lora")
+    run = trained_run(engine)
     checkpoint = run / "checkpoints/step_1"
-    verify_manifest(checkpoint)  # the trainer's manifest covers hf/'s, which lists the adapter's files
-    assert "hf/MANIFEST.json" in json.loads((checkpoint / MANIFEST_FILE).read_text())["files"]
-    listed = json.loads((checkpoint / "hf" / MANIFEST_FILE).read_text())["files"]
-    assert {"adapter/adapter_config.json", "adapter/adapter_model.safetensors"} <= listed.keys()
+    verify_manifest(checkpoint)  # the trainer's manifest lists the adapter's files
+    listed = json.loads((checkpoint / MANIFEST_FILE).read_text())["files"]
+    if "hf/MANIFEST.json" in listed:  # the DTensor engine's hf/ has a manifest of its own, the Megatron engine's not
+        listed = {f"hf/{name}" for name in json.loads((checkpoint / "hf" / MANIFEST_FILE).read_text())["files"]}
+    assert {"hf/adapter/adapter_config.json", "hf/adapter/adapter_model.safetensors"} <= set(listed)
 
     assert _export(caplog, str(run)) == (0, "")
     live, out = checkpoint / "hf", run / "hf/step_1"
+    assert "the LoRA adapter alone (peft, vLLM --enable-lora; on " in caplog.text and str(out / "adapter") in caplog.text
     for name in ("adapter/adapter_model.safetensors", "model.safetensors"):
         exported, saved = load_file(str(out / name)), load_file(str(live / name))
         assert exported.keys() == saved.keys() and all(torch.equal(exported[k], saved[k]) for k in saved)

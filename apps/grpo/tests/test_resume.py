@@ -88,7 +88,7 @@ def test_a_changed_byte_in_the_engine_files_is_left_to_the_engine_then_skipped(t
     with caplog.at_level(logging.WARNING):
         point = manager.newest_intact({tmp_path / "step_2": str(found.value)})
     assert point.step == 1
-    assert f"checkpoint {tmp_path / 'step_2'} is damaged and skipped: " in caplog.text and Path(rel).name in caplog.text
+    assert "damaged" not in caplog.text  # main warned when the engine found it
 
 
 def test_a_checkpoint_the_engine_finds_damaged_restarts_the_run_from_the_previous_one(tmp_path, caplog, monkeypatch):
@@ -116,6 +116,32 @@ def test_a_checkpoint_the_engine_finds_damaged_restarts_the_run_from_the_previou
         assert cli.main([f"logger.log_dir={log_dir}", "grpo.max_steps=4"]) == 0
     assert started == [2, 1]
     assert f"checkpoint {log_dir / 'checkpoints/step_2'} is damaged and skipped: policy/__0_0.distcp" in caplog.text
+
+
+def test_each_checkpoint_the_engine_finds_damaged_is_warned_about_once(tmp_path, caplog, monkeypatch):
+    """Every checkpoint damaged on load: each restart passes over the ones found before without warning again,
+    and the run stops (exit 2) naming both."""
+    import grpo_app.build as build
+    import grpo_app.main as cli
+    from grpo_app.checkpoint import DamagedOnLoad
+
+    monkeypatch.setattr(cli, "preflight", lambda cfg: cfg)
+    monkeypatch.setattr(cli, "load_inputs", lambda cfg: SimpleNamespace(train=None))
+    monkeypatch.setattr(cli, "check_prompts", lambda *args, **kwargs: None)
+    monkeypatch.setattr(build, "check_identity", lambda *args, **kwargs: None)
+
+    def every_load_fails(cfg, inputs, point):
+        raise DamagedOnLoad(point.path, f"{point.path}/policy/__0_0.distcp does not match its sha256")
+
+    monkeypatch.setattr(cli, "run_training", every_load_fails)
+    log_dir = tmp_path / "run"
+    save_two(log_dir / "checkpoints")
+    with caplog.at_level(logging.WARNING):
+        assert cli.main([f"logger.log_dir={log_dir}", "grpo.max_steps=4"]) == 2
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    for step in ("step_1", "step_2"):
+        assert len([w for w in warnings if f"{step}/policy" in w]) == 1, warnings
+    assert "no intact checkpoint" in caplog.records[-1].getMessage()
 
 
 def test_resume_turns_the_engines_hash_error_into_a_restart_from_an_older_checkpoint(tmp_path):

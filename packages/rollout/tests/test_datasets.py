@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -124,6 +125,18 @@ def test_a_dataset_saved_with_save_to_disk_loads_as_its_jsonl_does(tmp_path, tok
     datasets.Dataset.from_dict({"prompt": []}).save_to_disk(str(tmp_path / "empty"))
     with pytest.raises(ValueError, match=r"empty holds no records"):
         load_prompt_dataset(tmp_path / "empty", tokenizer)
+
+
+def test_prompts_the_tokenizer_cannot_read_back_are_counted_in_one_warning(tokenizer, caplog):
+    rows = [{"prompt": "café au lait"}, {"prompt": "2+2="}, {"prompt": "naïve"}]
+    with caplog.at_level(logging.WARNING, logger="rollout.datasets"):
+        build_examples(rows, tokenizer)
+    assert len(caplog.records) == 1 and caplog.records[0].getMessage().startswith(
+        "2 of 3 prompts lose characters in the tokenizer (record 1: 'café au lait' reads back as 'caf? au lait')")
+    assert "policy.model_name" in caplog.text
+    caplog.clear()
+    build_examples(toy_prompts("repeat_char", 3) + ROWS, tokenizer)
+    assert not caplog.records
 
 
 def test_toy_prompts_become_examples_with_flat_metadata(tokenizer):

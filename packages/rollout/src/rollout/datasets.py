@@ -272,17 +272,18 @@ def build_examples(records: Iterable[Mapping[str, Any]], tokenizer: Any, *, prom
                    answer_key: str = ANSWER) -> list[PromptExample]:
     """Records {prompt_key: ..., other: ...} -> PromptExamples (used for files and the toy generators); the
     metadata's "answer" is the record's `answer_key` field (a dotted path into nested fields)."""
-    examples = []
+    examples, lossy = [], []
     for number, record in enumerate(records, start=1):
         try:
             text = render_prompt(record[prompt_key], tokenizer, apply_chat_template=apply_chat_template,
                                  system_prompt=system_prompt)
         except ValueError as exc:
             raise ValueError(f"record {number}, field {prompt_key!r}: {exc}") from None
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if (back := tokenizer.decode(ids, clean_up_tokenization_spaces=False)) != text:  # as the model sees it
+            lossy.append((number, text, back))
         # A chat template writes its own special tokens; a plain prompt gets the tokenizer's (e.g. BOS).
-        if apply_chat_template:
-            ids = tokenizer.encode(text, add_special_tokens=False)
-        else:
+        if not apply_chat_template:
             ids = tokenizer.encode(text, add_special_tokens=True)
             if tokenizer.bos_token_id is not None and (not ids or ids[0] != tokenizer.bos_token_id):
                 ids = [tokenizer.bos_token_id] + ids
@@ -293,6 +294,11 @@ def build_examples(records: Iterable[Mapping[str, Any]], tokenizer: Any, *, prom
             metadata[ANSWER] = _field(record, answer_key, f"record {number}")
         examples.append(PromptExample(prompt=text, prompt_token_ids=list(ids), metadata=metadata,
                                       messages=chat_messages(record[prompt_key], system_prompt)))
+    if lossy:  # silent otherwise: the tokenizer drops or replaces what it cannot encode
+        number, text, back = lossy[0]
+        logger.warning("%d of %d prompts lose characters in the tokenizer (record %d: %r reads back as %r): the model "
+                       "sees them without; use a model whose tokenizer covers the text (policy.model_name)",
+                       len(lossy), len(examples), number, text[:80], back[:80])
     return examples
 
 
