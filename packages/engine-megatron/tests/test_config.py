@@ -39,11 +39,10 @@ def test_lora_asked_of_the_dtensor_section_on_the_megatron_engine_is_an_error() 
     """Not the generic 'unused section' warning: the run would silently train every weight instead of adapters."""
     from engine_megatron.engine import MegatronEngine
 
-    policy = make_policy("unused", dtensor_cfg={"lora_cfg": {"enabled": True, "dim": 16}})
-    with pytest.raises(ConfigError, match=r"policy\.dtensor_cfg\.lora_cfg\.enabled=true, but the Megatron engine "
-                                          r"runs \(policy\.megatron_cfg\.enabled\).*move the section to "
+    with pytest.raises(ConfigError, match=r"policy\.dtensor_cfg\.lora_cfg\.enabled=true, but the 'megatron' engine "
+                                          r"runs \(policy\.megatron_cfg\.enabled\).*LoRA goes under "
                                           r"policy\.megatron_cfg\.lora_cfg"):
-        MegatronEngine.validate_config(policy)
+        make_policy("unused", dtensor_cfg={"lora_cfg": {"enabled": True, "dim": 16}})
     MegatronEngine.validate_config(make_policy("unused", dtensor_cfg={"lora_cfg": {"enabled": False}}))
 
 

@@ -111,6 +111,23 @@ def test_options_of_the_engine_not_running_are_a_warning(kwargs, unused, caplog,
     assert not unused or "is unused" in warnings[0]
 
 
+@pytest.mark.parametrize("kwargs,section,runs,goes", [
+    ({"megatron_cfg": {"enabled": True}, "dtensor_cfg": {"lora_cfg": {"enabled": True}}}, "policy.dtensor_cfg",
+     "'megatron' engine runs (policy.megatron_cfg.enabled)", "policy.megatron_cfg.lora_cfg"),
+    ({"megatron_cfg": {"enabled": False, "lora_cfg": {"enabled": True}}}, "policy.megatron_cfg",
+     "'dtensor' engine runs (policy.dtensor_cfg.enabled)", "policy.dtensor_cfg.lora_cfg"),
+    ({"engine": "titan", "dtensor_cfg": {"lora_cfg": {"enabled": True, "dim": 4}}}, "policy.dtensor_cfg",
+     "'titan' engine runs (policy.engine)", "policy.engine_cfg.lora_cfg"),
+])
+def test_lora_in_the_section_of_an_engine_not_running_is_an_error(kwargs, section, runs, goes):
+    """Not the unused-options warning: the engine that runs would train every weight, not adapters."""
+    with pytest.raises(ConfigError) as error:
+        PolicyConfig(model_name="m", **kwargs)
+    assert str(error.value).startswith(f"{section}.lora_cfg.enabled=true, but the {runs} and would train every "
+                                       f"weight: LoRA goes under {goes} (the same keys)"), str(error.value)
+    PolicyConfig(model_name="m", **{**kwargs, section.split(".")[1]: {"lora_cfg": {"enabled": False}}})
+
+
 @pytest.mark.parametrize("kwargs,key", [
     ({}, "policy.dtensor_cfg"),
     ({"megatron_cfg": {"enabled": True}}, "policy.megatron_cfg"),

@@ -46,7 +46,7 @@ from engine_megatron.parallel import broadcast_from_last_stage, init_model_paral
 from engine_megatron.vocab_parallel import vocab_parallel_logprobs
 from rl_core import checkpoint_io
 from rl_core.batch import LossFn, LossInputs, StepResult, TokenBatch
-from rl_core.config import ConfigError, PolicyConfig
+from rl_core.config import PolicyConfig
 from rl_core.distributed import init_process_group
 from rl_core.interfaces import TrainingEngine
 from rl_core.lora import BaseModelReference, write_adapter_dir
@@ -77,16 +77,8 @@ class MegatronEngine(TrainingEngine):
 
     @classmethod
     def validate_config(cls, policy: PolicyConfig) -> MegatronConfig:
-        """Check `policy.megatron_cfg` (incl. TransformerConfig keys) without building anything. LoRA switched on
-        in the DTensor engine's section is an error, not the warning other unused options get: this engine would
-        train every weight, another run than the one asked for (and the memory of full training)."""
-        lora_section = policy.dtensor_cfg.get("lora_cfg")
-        if isinstance(lora_section, dict) and lora_section.get("enabled"):
-            raise ConfigError(f"policy.dtensor_cfg.lora_cfg.enabled=true, but the Megatron engine runs "
-                              f"({policy.engine_config_key}), which reads its LoRA settings from "
-                              f"{policy.engine_options_key}.lora_cfg (the same keys) and would train every weight: "
-                              f"move the section to {policy.engine_options_key}.lora_cfg, or run the DTensor engine "
-                              f"(unset {policy.engine_config_key})")
+        """Check `policy.megatron_cfg` (incl. TransformerConfig keys) without building anything (LoRA left in the
+        DTensor engine's section is PolicyConfig's error)."""
         return parse_megatron_config(policy.engine_options, policy.engine_options_key)
 
     @classmethod

@@ -312,9 +312,17 @@ class PolicyConfig:
 
     def _warn_unused_sections(self) -> None:
         """Options under a built-in engine's section that is not the one running do nothing (a user who sets
-        `dtensor_cfg.tensor_parallel_size=2` on a Megatron run gets TP=1): say so, naming the section that counts."""
+        `dtensor_cfg.tensor_parallel_size=2` on a Megatron run gets TP=1): say so, naming the section that counts.
+        LoRA switched on there is an error: the engine that runs would train every weight, another run than the one
+        asked for, with the memory of full training."""
         for name, section in BUILTIN_ENGINE_SECTIONS.items():
             unused = self._own_options(name)
+            lora = unused.get("lora_cfg")
+            if name != self.engine_name and isinstance(lora, dict) and lora.get("enabled"):
+                raise ConfigError(f"policy.{section}.lora_cfg.enabled=true, but the {self.engine_name!r} engine runs "
+                                  f"({self.engine_config_key}) and would train every weight: LoRA goes under "
+                                  f"{self.engine_options_key}.lora_cfg (the same keys), or run the engine of "
+                                  f"policy.{section}")
             if unused and name != self.engine_name:
                 _warn_once(f"policy.{section} {unused} is unused: the {self.engine_name!r} engine runs "
                            f"({self.engine_config_key}); its options are {self.engine_options_key}")
