@@ -4,6 +4,7 @@ logits; a checkpoint megatron itself saved sharded (TP=2, PP=2, EP=2) converts b
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -29,10 +30,13 @@ def _assert_bit_exact(original: Path, converted: Path) -> None:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_roundtrip_bit_exact(arch: str, tiny_ckpts: dict, tmp_path: Path) -> None:
+def test_roundtrip_bit_exact(arch: str, tiny_ckpts: dict, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     mcore = convert_hf_to_mcore(tiny_ckpts[arch], tmp_path / "mcore", tp=2)
-    back = convert_mcore_to_hf(mcore, tmp_path / "hf")
+    with caplog.at_level(logging.INFO, logger="ckpt_convert.convert"):
+        back = convert_mcore_to_hf(mcore, tmp_path / "hf")
     _assert_bit_exact(tiny_ckpts[arch], back)
+    written = len(load_file(back / "model.safetensors"))  # the log counts HF tensors, not megatron's fused ones
+    assert f"mcore2hf wrote {tmp_path / 'hf'}: {written} tensors" in caplog.text
     original = json.loads((tiny_ckpts[arch] / "config.json").read_text())
     restored = json.loads((back / "config.json").read_text())
     assert {k: v for k, v in restored.items() if k != "transformers_version"} == \

@@ -251,6 +251,7 @@ def convert_mcore_to_hf(mcore_dir: str | os.PathLike, out_dir: str | os.PathLike
             write_adapter_dir(tmp, ((name, read_adapter(name)) for name in lora["adapters"]),
                               lora["adapter_config"])
         output_bytes = _dir_bytes(tmp)
-    summary = ConversionSummary(len(names), num_params, time.perf_counter() - start, output_bytes, out_dir)
+    # the HF tensors written (megatron's fused qkv / gate-up tensors are several HF ones each)
+    summary = ConversionSummary(sum(map(len, plan)), num_params, time.perf_counter() - start, output_bytes, out_dir)
     logger.info("mcore2hf %s", summary)
     return out_dir
