@@ -49,12 +49,17 @@ def test_rng_state_round_trips_through_a_weights_only_file(tmp_path):
     assert torch.equal(torch.rand(5), want[0]) and random.random() == want[1]
 
 
+def _run_checkpoint(root, engine_file: str, data: bytes) -> None:
+    """A run checkpoint's layout: the engine's manifested `policy/` holding `engine_file`, a state file beside it."""
+    (root / "policy").mkdir()
+    (root / "policy" / engine_file).write_bytes(data)
+    write_manifest(root / "policy")
+    (root / "state.json").write_text("{}")
+    write_manifest(root)
+
+
 def test_manifest_names_the_damaged_file_and_covers_nested_manifests(tmp_path):
-    (tmp_path / "policy").mkdir()
-    (tmp_path / "policy/shard.bin").write_bytes(b"abc" * 100)
-    write_manifest(tmp_path / "policy")
-    (tmp_path / "state.json").write_text("{}")
-    write_manifest(tmp_path)
+    _run_checkpoint(tmp_path, "shard.bin", b"abc" * 100)
     verify_manifest(tmp_path)
     (tmp_path / "policy/shard.bin").write_bytes(b"abd" * 100)  # same size, other bytes
     with pytest.raises(CheckpointError, match="shard.bin does not match its sha256"):
@@ -90,11 +95,7 @@ def test_manifest_of_many_files_holds_each_files_sha256_and_finds_the_one_change
 
 
 def test_sizes_only_under_a_subdirectory_leaves_its_bytes_to_its_loader_but_not_its_sizes_or_manifest(tmp_path):
-    (tmp_path / "policy").mkdir()
-    (tmp_path / "policy/weights.bin").write_bytes(b"w" * 100)
-    write_manifest(tmp_path / "policy")
-    (tmp_path / "state.json").write_text("{}")
-    write_manifest(tmp_path)
+    _run_checkpoint(tmp_path, "weights.bin", b"w" * 100)
     (tmp_path / "policy/weights.bin").write_bytes(b"x" + b"w" * 99)  # same size: the loader's to find
     verify_manifest(tmp_path, sizes_only_under=("policy",))
     with pytest.raises(CheckpointError, match="weights.bin does not match its sha256"):
