@@ -9,9 +9,12 @@ build meshes or model-parallel groups (each engine does that on top of the defau
 
 from __future__ import annotations
 
+import atexit
+import gc
 import logging
 import os
 import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -35,11 +38,27 @@ def process_group_backend(use_cuda: bool) -> str:
     return "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
 
 
+def _let_collective_threads_finish() -> None:
+    """At exit, before the interpreter stops running threads: free the engine's tensors and give up the GIL.
+
+    gloo's worker threads drop a finished collective after the caller has already moved on, and dropping a
+    tensor that Python created takes the GIL. A script that exits right after its last collective (an export,
+    a checkpoint) can reach interpreter shutdown first; the worker then cannot take the GIL and the rank dies
+    with "terminate called without an active exception" (SIGABRT, about one torchrun exit in ten on two busy
+    cores; pytorch/pytorch#179291). Destroying the process group does not stop it: the engine's meshes still
+    hold the group, so its worker threads live until the last garbage collection.
+    """
+    gc.collect()
+    time.sleep(0.2)
+
+
 def init_process_group(use_cuda: bool) -> torch.device:
     """Join (or start) the default process group as described in the module docstring; pick the device.
 
     On CUDA each rank uses GPU LOCAL_RANK (torchrun sets it), else rank modulo the visible GPUs.
     """
+    atexit.unregister(_let_collective_threads_finish)  # once per process, however many engines it builds
+    atexit.register(_let_collective_threads_finish)
     if not dist.is_initialized():
         backend = process_group_backend(use_cuda)
         present = [key for key in LAUNCHER_ENV if key in os.environ]
