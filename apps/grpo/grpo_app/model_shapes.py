@@ -37,15 +37,14 @@ def shape_config(name: str) -> Any:
 
 
 def cached_shape_checkpoint(name: str, *, seed: int = 0) -> Path:
-    """Build (once, under ~/.cache/rl-stack/shape-models) and return the checkpoint of shape `name`."""
+    """Build (once, under `cache_path("shape-models")`) and return the checkpoint of shape `name`."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rl_core.testing.tiny_models import build_tokenizer
+    from rl_core.testing.tiny_models import build_tokenizer, cache_path
 
     config = shape_config(name)
-    root = Path(os.environ.get("RL_STACK_CACHE", Path.home() / ".cache" / "rl-stack")) / "shape-models"
-    path = root / f"{name}-s{seed}"
+    path = cache_path("shape-models") / f"{name}-s{seed}"
     if (path / "config.json").exists():
         return path
     logger.info("building the %s-shaped checkpoint (HF init, std %.2f) at %s", name, config.initializer_range, path)

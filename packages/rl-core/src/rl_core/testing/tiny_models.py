@@ -20,6 +20,10 @@ from rl_core.checkpoint_io import atomic_dir
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe")
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
+UNK_TOKEN = "<unk>"  # last in the vocabulary (after the characters); special tokens are dropped when decoding
+# Part of every cache directory's name: bump it when what a cached checkpoint holds changes, so no old one is
+# reused (2: the byte-level tokenizer, with its own unknown token).
+CACHE_FORMAT = 2
 # head_dim 32: the smallest head size vLLM's CPU attention supports.
 BASE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6)
@@ -30,20 +34,32 @@ SOFTCAPPED_GEMMA2 = dict(head_dim=32, initializer_range=0.5, attn_logit_softcapp
 
 
 def _vocab() -> list[str]:
-    return SPECIAL_TOKENS + [c for c in string.printable if c not in "\x0b\x0c\r"]
+    """The special tokens, printable ASCII in its byte-level spelling (space is "Ġ", newline "Ċ"), the unknown."""
+    from tokenizers import pre_tokenizers
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    chars = [byte_level.pre_tokenize_str(c)[0][0] for c in string.printable if c not in "\x0b\x0c\r"]
+    return [*SPECIAL_TOKENS, *chars, UNK_TOKEN]
 
 
-def build_tokenizer(vocab_size: int | None = None) -> Any:
-    """A character-level `PreTrainedTokenizerFast` with <pad>, <s>, </s> and a plain chat template."""
+def build_tokenizer() -> Any:
+    """A character-level `PreTrainedTokenizerFast` with <pad>, <s>, </s>, <unk> and a plain chat template.
+
+    Byte-level like the real Qwen2/Llama-3 tokenizers, with no merges: transformers loads a qwen2 checkpoint's
+    tokenizer as `Qwen2Tokenizer` whatever tokenizer_config.json names, and that class rebuilds a byte-level
+    BPE from the vocabulary, in which a plain " " entry never matches (every space of a prompt was dropped). The
+    unknown token is not a character: decoding drops special tokens, and with "?" as the unknown every real
+    question mark was dropped with them.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(_vocab())}
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="?"))
-    core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
-    core.decoder = decoders.Fuse()
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK_TOKEN))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="?"
+        tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token=UNK_TOKEN
     )
     tok.chat_template = (
         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -127,10 +143,17 @@ def save_tiny_reward_model(path: str | os.PathLike, arch: str = "qwen2", *, seed
     return path
 
 
+def cache_path(kind: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where locally built checkpoints of `kind` are cached: `<cache_dir>/<kind>-v<CACHE_FORMAT>`, by default
+    under ~/.cache/rl-stack (the RL_STACK_CACHE environment variable moves it)."""
+    root = Path(cache_dir or os.environ.get("RL_STACK_CACHE", Path.home() / ".cache" / "rl-stack"))
+    return root / f"{kind}-v{CACHE_FORMAT}"
+
+
 def cached_tiny_checkpoint(arch: str = "qwen2", *, seed: int = 0, cache_dir: str | os.PathLike | None = None,
                            **overrides: Any) -> Path:
-    """A tiny checkpoint cached under `cache_dir` (default ~/.cache/rl-stack/tiny-models), built once."""
-    root = Path(cache_dir or os.environ.get("RL_STACK_CACHE", Path.home() / ".cache" / "rl-stack")) / "tiny-models"
+    """A tiny checkpoint cached under `cache_path("tiny-models", cache_dir)`, built once."""
+    root = cache_path("tiny-models", cache_dir)
     suffix = "-".join(f"{k}{v}" for k, v in sorted(overrides.items()))
     path = root / f"{arch}-s{seed}{'-' + suffix if suffix else ''}"
     if not (path / "config.json").exists():
