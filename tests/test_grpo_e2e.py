@@ -389,8 +389,9 @@ def test_lora_few_steps_through_ray(tmp_path, engine):
 
 
 def check_merged_hf_copy(checkpoint: Path, tmp_path: Path) -> None:
-    """Each adapted weight of `<checkpoint>/hf` is the float64 merge W + alpha/dim * B @ A of the DCP checkpoint's
-    entries (read by torch's DCP reader); every other weight is the checkpoint's, bit for bit; no adapter name."""
+    """Each adapted weight of `<checkpoint>/hf` is the float64 merge W + alpha/dim * B @ A of the base model's W
+    (the run's policy.model_name: the checkpoint holds the adapters alone) and the DCP checkpoint's adapters (read by
+    torch's DCP reader); every other weight is the base model's, bit for bit; no adapter name."""
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -399,11 +400,14 @@ def check_merged_hf_copy(checkpoint: Path, tmp_path: Path) -> None:
     exported = load_file(checkpoint / "hf/model.safetensors")
     dcp_to_torch_save(checkpoint / "policy", tmp_path / "policy.pt")
     state = torch.load(tmp_path / "policy.pt", weights_only=True)["model"]
+    assert all(".lora_A." in name or ".lora_B." in name for name in state)  # no frozen base weight
+    config = yaml.safe_load((checkpoint.parents[1] / "config.yaml").read_text())  # the resolved model directory
+    base = load_file(Path(config["policy"]["model_name"]) / "model.safetensors")
     scaling = LoRAConfig().scaling  # the defaults: alpha 32, dim 8
     merged = 0
     for name, tensor in exported.items():
         module, _, leaf = name.rpartition(".")
-        stored = state.get(f"{module}.base_layer.{leaf}", state.get(name))  # an adapted layer's weight and bias
+        stored = base[name]
         if leaf == "weight" and f"{module}.lora_A.weight" in state:
             a, b = state[f"{module}.lora_A.weight"].double(), state[f"{module}.lora_B.weight"].double()
             expected = stored.double() + scaling * (b @ a)

@@ -6,12 +6,15 @@ converts its own checkpoint offline (rl_core.interfaces.ExportsCheckpoint): one 
 process group, weights only. Owns finding the checkpoint and the config and the default output directory;
 not the conversion. The output goes beside the checkpoints (`<log_dir>/hf/step_N`), never into a checkpoint,
 whose manifest covers every file in it. It is what the run's own `hf/` copy would be: for a LoRA checkpoint the
-merged weights and, in `adapter/`, the adapter alone in PEFT format (the engine's converter writes both).
+merged weights and, in `adapter/`, the adapter alone in PEFT format (the engine's converter writes both). A LoRA
+checkpoint holds the adapters alone: the base weights come from policy.model_name, or from `--base-model DIR` where
+the base has moved (the engine checks that it holds the weights the run trained on).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -38,6 +41,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                       "<log_dir> being the directory of the run's config.yaml)")
     parser.add_argument("--config", metavar="FILE", help="the run's resolved config.yaml, if it is not beside the checkpoints "
                                          "(<log_dir>/config.yaml; needed when checkpointing.dir was elsewhere)")
+    parser.add_argument("--base-model", metavar="DIR", help="the run's base model (policy.model_name) where it is now, if it "
+                                             "has moved (a LoRA checkpoint holds the adapters alone; the base must hold "
+                                             "the weights the run trained on)")
     return parser.parse_args(argv)
 
 
@@ -97,25 +103,30 @@ def _newest_intact(cfg: GRPOConfig, run_dir: Path) -> Path:
     return point.path
 
 
-def check_config_wrote(checkpoint: Path, cfg: GRPOConfig) -> None:
-    """The (resolved) config names the model and the engine the checkpoint recorded: an edited or another run's
-    config.yaml would convert with another architecture (a converter's error about a missing tensor) or, where the
-    shapes agree, silently with another model's config.json and tokenizer. The parallel layout does not matter
+def check_config_wrote(checkpoint: Path, cfg: GRPOConfig, keys: tuple[str, ...] = ("policy.model_name",
+                                                                                    "policy.engine")) -> None:
+    """The (resolved) config names the model and the engine the checkpoint recorded (`keys`): an edited or another
+    run's config.yaml would convert with another architecture (a converter's error about a missing tensor) or, where
+    the shapes agree, silently with another model's config.json and tokenizer. The parallel layout does not matter
     offline, and a LoRA checkpoint carries its own adapter settings (the engine's)."""
     saved = json.loads((checkpoint / STATE_FILE).read_text()).get("identity", {})
     current = run_identity(cfg)
-    changed = [f"{key}: checkpoint {saved[key]!r}, config {current[key]!r}" for key in ("policy.model_name",
-               "policy.engine") if key in saved and saved[key] != current[key]]
+    changed = [f"{key}: checkpoint {saved[key]!r}, config {current[key]!r}" for key in keys
+               if key in saved and saved[key] != current[key]]
     if changed:
         raise ValueError(f"{checkpoint} was not written under this config ({'; '.join(changed)}): pass the config.yaml "
                          "of the run that wrote it with --config FILE, or restore the run's own config.yaml")
 
 
-def export(plan: ExportPlan, cfg: GRPOConfig) -> None:
-    """Resolve the engine class and the model directory as the trainer does, check them against the checkpoint,
-    then convert."""
-    cfg = resolve_model(cfg)  # tiny:<arch> names rebuild the same cached checkpoint
-    check_config_wrote(plan.checkpoint, cfg)
+def export(plan: ExportPlan, cfg: GRPOConfig, base_model: str | None = None) -> None:
+    """Resolve the engine class and the model directory as the trainer does (or take `base_model`, the run's base
+    where it is now), check them against the checkpoint, then convert."""
+    if base_model is None:
+        cfg = _resolve_run_model(cfg)
+        check_config_wrote(plan.checkpoint, cfg)
+    else:  # another path than the recorded one: the engine's converter checks the weights (LoRA: the fingerprint)
+        cfg = resolve_model(dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, model_name=base_model)))
+        check_config_wrote(plan.checkpoint, cfg, keys=("policy.engine",))
     policy = cfg.policy
     engine_cls = ENGINES.get(policy.engine_name, config_key=policy.engine_config_key)
     if not isinstance(engine_cls, ExportsCheckpoint):
@@ -131,13 +142,22 @@ def export(plan: ExportPlan, cfg: GRPOConfig) -> None:
                     policy.model_name, plan.out / "adapter")
 
 
+def _resolve_run_model(cfg: GRPOConfig) -> GRPOConfig:
+    """`resolve_model` (tiny:<arch> names rebuild the same cached checkpoint); a model directory that is gone is
+    named with the option that points at where it is now."""
+    try:
+        return resolve_model(cfg)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc}; if the run's base model has moved, pass its directory with --base-model DIR") from None
+
+
 def main(argv: list[str]) -> int:
     """Exit 0 with the model directory written, 2 with one line naming the problem and the fix, 130 on Ctrl-C."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         plan, cfg = plan_export(Path(args.path), args.config, args.out)
-        export(plan, cfg)
+        export(plan, cfg, args.base_model)
     except (ConfigError, FileNotFoundError, ValueError) as exc:  # CheckpointError is a ValueError
         logger.error("%s", exc)
         return 2

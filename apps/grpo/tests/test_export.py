@@ -125,6 +125,27 @@ def test_export_of_a_lora_run_writes_the_adapter_its_checkpoint_holds(trained_ru
     adapter = load_file(str(out / "adapter/adapter_model.safetensors"))
     assert any(torch.count_nonzero(t) for k, t in adapter.items() if k.endswith(".lora_B.weight"))  # B trained
     assert (out / "adapter/adapter_config.json").read_text() == (live / "adapter/adapter_config.json").read_text()
+    _assert_base_model_option(run, caplog, live)
+
+
+def _assert_base_model_option(run: Path, caplog, live: Path) -> None:
+    """The checkpoint holds the adapters alone: `--base-model` finds the base where it is now (the same merged
+    weights), and refuses a directory that is gone or holds another model."""
+    from safetensors.torch import load_file
+
+    from rl_core.testing.tiny_models import cached_tiny_checkpoint
+
+    base = resolve_model(load_config(run / "config.yaml")).policy.model_name
+    moved = shutil.copytree(base, run / "moved-base")
+    assert _export(caplog, str(run), "--out", str(run / "from-moved"), "--base-model", str(moved)) == (0, "")
+    exported, saved = load_file(str(run / "from-moved/model.safetensors")), load_file(str(live / "model.safetensors"))
+    assert exported.keys() == saved.keys() and all(torch.equal(exported[k], saved[k]) for k in saved)
+    code, line = _export(caplog, str(run), "--out", str(run / "o"), "--base-model", str(run / "gone"))
+    assert code == 2 and f"{run / 'gone'}" in line and "no such directory" in line
+    other = str(cached_tiny_checkpoint("qwen2", seed=1))
+    code, line = _export(caplog, str(run), "--out", str(run / "o"), "--base-model", other)
+    assert code == 2 and f"the base directory this run uses, {other}, holds another model" in line, line
+    assert "--base-model DIR" in line and not (run / "o").exists()
 
 
 @pytest.mark.distributed
@@ -209,6 +230,20 @@ def test_export_under_an_edited_config_is_refused_naming_the_key(tmp_path, caplo
     key = "policy.engine" if "megatron" in edit[0] else "policy.model_name"
     assert code == 2 and f"was not written under this config ({key}: checkpoint " in line, line
     assert "--config FILE" in line and not (tmp_path / "out").exists()
+
+
+def test_a_moved_base_model_is_named_with_the_option(tmp_path, caplog) -> None:
+    """The run's policy.model_name is gone (a LoRA checkpoint holds the adapters alone and needs it): the error names
+    the directory and --base-model, before any conversion."""
+    from rl_core.testing.tiny_models import cached_tiny_checkpoint
+
+    base = shutil.copytree(cached_tiny_checkpoint("qwen2"), tmp_path / "base")
+    run = _fake_run(tmp_path / "run", f"policy.model_name={base}")
+    shutil.rmtree(base)
+    code, line = _export(caplog, str(run), "--out", str(tmp_path / "out"))
+    assert code == 2 and f"policy.model_name='{base}': no such directory" in line, line
+    assert line.endswith("if the run's base model has moved, pass its directory with --base-model DIR")
+    assert not (tmp_path / "out").exists()
 
 
 def test_interrupted_export_exits_130_and_leaves_no_output(tmp_path, caplog, monkeypatch) -> None:

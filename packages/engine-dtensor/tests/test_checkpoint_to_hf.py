@@ -153,3 +153,32 @@ def test_checkpoint_of_another_model_is_refused(tmp_path, saved: str, given: str
         DTensorEngine.checkpoint_to_hf(str(ckpt_dir), str(tmp_path / "out"),
                                        model_dir=str(cached_tiny_checkpoint(given)))
     assert not (tmp_path / "out").exists()
+
+
+def _save_lora_checkpoint(rank: int, world: int, path: str, ckpt_dir: str) -> None:
+    DTensorEngine(make_policy(path, dtensor_cfg=LORA)).save_checkpoint(ckpt_dir)
+
+
+@pytest.mark.distributed
+def test_lora_checkpoint_needs_its_own_base_model(tmp_path) -> None:
+    """A LoRA checkpoint holds the adapters alone: its base comes from model_dir, which must exist and hold the
+    base it was trained on (the same shapes with other weights are refused too), each error naming the fix."""
+    import shutil
+
+    path = str(cached_tiny_checkpoint("qwen2"))
+    ckpt_dir = tmp_path / "ckpt"
+    run_distributed(_save_lora_checkpoint, 1, args=(path, str(ckpt_dir)))
+    gone = tmp_path / "moved"
+    with pytest.raises(ValueError, match=rf"the base model directory {gone} of LoRA checkpoint {ckpt_dir} does not "
+                                         r"exist \(the checkpoint holds the adapters only\): pass the directory of "
+                                         r"that base with model_dir \(uv run apps/grpo export --base-model DIR\)"):
+        DTensorEngine.checkpoint_to_hf(str(ckpt_dir), str(tmp_path / "out"), model_dir=str(gone))
+    other = str(cached_tiny_checkpoint("qwen2", seed=1))
+    with pytest.raises(ValueError, match=rf"LoRA checkpoint {ckpt_dir} was trained on the base model at {path} .*"
+                                         rf"the base directory this run uses, {other}, holds another model .*: point "
+                                         r"model_dir \(uv run apps/grpo export --base-model DIR\) at the base"):
+        DTensorEngine.checkpoint_to_hf(str(ckpt_dir), str(tmp_path / "out"), model_dir=other)
+    assert not (tmp_path / "out").exists()
+    moved = shutil.copytree(path, gone)  # the base in another directory: found there, the same weights
+    DTensorEngine.checkpoint_to_hf(str(ckpt_dir), str(tmp_path / "out"), model_dir=str(moved))
+    assert (tmp_path / "out" / ADAPTER_DIR / "adapter_model.safetensors").is_file()

@@ -278,6 +278,71 @@ def test_checkpoint_resume_is_exact(ckpt, tmp_path) -> None:
     assert changed and all(name.endswith("_proj.weight") for name in changed)
 
 
+def _train_and_checkpoint(rank: int, world: int, path: str, batch, ckpt_dir: str) -> None:
+    engine = DTensorEngine(_policy(path))
+    engine.train_batch(batch, ClippedPGLoss())
+    engine.save_checkpoint(ckpt_dir)
+
+
+@pytest.fixture(scope="module")
+def lora_checkpoint(ckpt, tmp_path_factory) -> tuple[str, Path]:
+    """(base model, checkpoint of a LoRA run after one step on it, FSDP over 2 ranks)."""
+    path = ckpt(ARCH)
+    ckpt_dir = tmp_path_factory.mktemp("lora") / "step1"
+    run_distributed(_train_and_checkpoint, 2, args=(path, grpo_batch(path), str(ckpt_dir)))
+    return path, ckpt_dir
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+@pytest.mark.distributed
+def test_checkpoint_holds_the_adapters_alone_and_records_the_base(lora_checkpoint) -> None:
+    """No frozen base tensor in the DCP checkpoint: the adapters and their AdamW state only, a fraction of the base
+    model's size; lora.json names the base directory and its fingerprint."""
+    import torch.distributed.checkpoint as dcp
+
+    from rl_core.lora import BaseModel
+
+    path, ckpt_dir = lora_checkpoint
+    keys = sorted(dcp.FileSystemReader(str(ckpt_dir)).read_metadata().state_dict_metadata)
+    model_keys = [key for key in keys if key.startswith("model.")]
+    assert len(model_keys) == 2 * 7 * 2  # A and B of q, k, v, o, gate, up, down in 2 layers
+    assert all(".lora_A." in key or ".lora_B." in key for key in keys if not key.startswith("optim.param_groups"))
+    saved = json.loads((ckpt_dir / "lora.json").read_text())
+    assert BaseModel.from_dict(saved["base_model"]) == BaseModel.of(path) and saved["base_dtype"] == "float32"
+    weights = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+    print(f"LoRA DCP checkpoint {_dir_bytes(ckpt_dir)} bytes, base model weights {weights} bytes")
+    # the tiny model's adapters (dim 4) are 5% of its parameters, stored with AdamW's two moments; a checkpoint with
+    # the frozen base held the base's bytes on top of them
+    assert _dir_bytes(ckpt_dir) < weights
+
+
+def _load_onto(rank: int, world: int, base: str, ckpt_dir: str) -> str:
+    engine = DTensorEngine(_policy(base))
+    try:
+        engine.load_checkpoint(ckpt_dir)
+    except ValueError as exc:
+        return str(exc)
+    return "loaded"
+
+
+@pytest.mark.distributed
+def test_resume_onto_another_base_model_is_refused(lora_checkpoint) -> None:
+    """The same shapes with other weights (another seed): the adapters would load onto a model they were not
+    trained on."""
+    from rl_core.testing.tiny_models import cached_tiny_checkpoint
+
+    path, ckpt_dir = lora_checkpoint
+    other = str(cached_tiny_checkpoint(ARCH, seed=1))
+    (message,) = run_distributed(_load_onto, 1, args=(other, str(ckpt_dir)))
+    assert message.startswith(f"LoRA checkpoint {ckpt_dir} was trained on the base model at {path} ")
+    assert f"the base directory this run uses, {other}, holds another model" in message
+    assert message.endswith("point policy.model_name at the base the run was trained from")
+    assert run_distributed(_load_onto, 1, args=(path, str(ckpt_dir))) == ["loaded"]
+
+
 def _full(engine: DTensorEngine) -> dict[str, torch.Tensor]:
     """Full tensors of every parameter, by module name (a collective under FSDP/TP)."""
     return {name: full_tensor(p).cpu().clone() for name, p in engine.model.named_parameters()}

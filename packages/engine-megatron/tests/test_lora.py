@@ -196,7 +196,8 @@ def test_offline_export_of_the_checkpoint_is_the_live_save_hf(lifecycle, tmp_pat
     from engine_megatron.engine import MegatronEngine
 
     live = lifecycle["out"] / "hf"
-    MegatronEngine.checkpoint_to_hf(str(lifecycle["out"] / "engine_ckpt"), str(tmp_path / "hf"), model_dir="unused")
+    MegatronEngine.checkpoint_to_hf(str(lifecycle["out"] / "engine_ckpt"), str(tmp_path / "hf"),
+                                   model_dir=lifecycle["ckpt"])
     offline, expected = _read(tmp_path / "hf"), _read(live)
     assert offline.keys() == expected.keys() and all(torch.equal(offline[n], expected[n]) for n in expected)
     offline_adapter, live_adapter = _read(tmp_path / "hf" / "adapter"), _read(live / "adapter")
@@ -204,6 +205,91 @@ def test_offline_export_of_the_checkpoint_is_the_live_save_hf(lifecycle, tmp_pat
     assert all(torch.equal(offline_adapter[n], live_adapter[n]) for n in live_adapter)
     assert ((tmp_path / "hf/adapter/adapter_config.json").read_text()
             == (live / "adapter/adapter_config.json").read_text())
+
+
+def _checkpoint_tensors(path: Path) -> list[str]:
+    """The keys of the tensors a dist_checkpointing (torch_dist) directory holds, model and optimizer state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    entries = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return sorted(key for key, meta in entries.items() if isinstance(meta, TensorStorageMetadata))
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+@pytest.mark.distributed
+def test_checkpoint_holds_the_adapters_alone_and_records_the_base(lifecycle) -> None:
+    """No frozen base tensor in the engine checkpoint: the adapters and their (distributed) optimizer state only, a
+    fraction of the base model's size; ckpt_convert.json names the base directory and its fingerprint."""
+    from rl_core.lora import BaseModel
+
+    ckpt = lifecycle["out"] / "engine_ckpt"
+    keys = _checkpoint_tensors(ckpt)
+    adapters = [k for k in keys if not k.startswith("optimizer.")]
+    assert adapters and all(k.endswith((".lora_A", ".lora_B")) for k in keys), keys
+    assert len(adapters) == 2 * 7  # A and B of q, k, v, o, gate, up, down, layers stacked in one tensor each
+    saved = json.loads((ckpt / "ckpt_convert.json").read_text())["lora"]
+    assert BaseModel.from_dict(saved["base_model"]) == BaseModel.of(lifecycle["ckpt"])
+    weights = sum(f.stat().st_size for f in Path(lifecycle["ckpt"]).glob("*.safetensors"))
+    logger.info("LoRA engine checkpoint %d bytes, base model weights %d bytes", _dir_bytes(ckpt), weights)
+    # the tiny model's adapters (dim 4) are 5% of its parameters, stored with their float32 main copy and Adam's two
+    # moments; a checkpoint with the frozen base held the base's bytes on top of them
+    assert _dir_bytes(ckpt) < weights
+
+
+def _load_onto(rank: int, world_size: int, base: str, ckpt: str) -> str:
+    from engine_megatron.engine import MegatronEngine
+
+    engine = MegatronEngine(make_policy(base, {"lora_cfg": LORA}))
+    try:
+        engine.load_checkpoint(ckpt)
+    except ValueError as exc:
+        return str(exc)
+    return "loaded"
+
+
+@pytest.mark.distributed
+def test_resume_onto_another_base_model_is_refused(lifecycle, tmp_path: Path) -> None:
+    """The same shapes with other weights: the adapters would load, onto a model they were not trained on."""
+    from megatron_testutil import VOCAB
+
+    from rl_core.testing.tiny_models import save_tiny_checkpoint
+
+    other = str(save_tiny_checkpoint(tmp_path / "other", "qwen2", seed=0, vocab_size=VOCAB))
+    ckpt = lifecycle["out"] / "engine_ckpt"
+    (message,) = run_distributed(_load_onto, world_size=1, args=(other, str(ckpt)))
+    assert message.startswith(f"LoRA checkpoint {ckpt} was trained on the base model at {lifecycle['ckpt']} ")
+    assert f"the base directory this run uses, {other}, holds another model" in message
+    assert message.endswith("point policy.model_name at the base the run was trained from")
+    assert run_distributed(_load_onto, world_size=1, args=(lifecycle["ckpt"], str(ckpt))) == ["loaded"]
+
+
+@pytest.mark.distributed
+def test_mcore2hf_reads_the_recorded_base_or_names_the_option(lifecycle, tmp_path: Path, capsys) -> None:
+    """`ckpt-convert mcore2hf` of the adapter-only checkpoint: by default the base directory it records (the live
+    save_hf's weights again); a base directory that is gone, or holds another model, is refused naming the fix."""
+    from ckpt_convert.cli import main
+
+    ckpt = str(lifecycle["out"] / "engine_ckpt")
+    assert main(["mcore2hf", "--mcore", ckpt, "--out", str(tmp_path / "hf")]) == 0
+    offline, live = _read(tmp_path / "hf"), _read(lifecycle["out"] / "hf")
+    assert offline.keys() == live.keys() and all(torch.equal(offline[n], live[n]) for n in live)
+
+    gone = tmp_path / "moved"
+    assert main(["mcore2hf", "--mcore", ckpt, "--out", str(tmp_path / "out"), "--base-model", str(gone)]) == 2
+    assert (f"the base model directory {gone} of LoRA checkpoint {ckpt} does not exist (the checkpoint holds the "
+            "adapters only): pass the directory of that base with --base-model DIR") in capsys.readouterr().err
+    other = tmp_path / "other"
+    shutil.copytree(lifecycle["ckpt"], other)
+    weights = bytearray((other / "model.safetensors").read_bytes())
+    weights[-1] ^= 0xFF  # the same shapes, one weight byte changed
+    (other / "model.safetensors").write_bytes(bytes(weights))
+    assert main(["mcore2hf", "--mcore", ckpt, "--out", str(tmp_path / "out"), "--base-model", str(other)]) == 2
+    assert "point --base-model DIR" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def _no_weights(tiny_ckpt, arch: str, tmp_path: Path) -> str:

@@ -86,3 +86,65 @@ def test_reference_switches_the_adapters_off_for_the_block() -> None:
     with reference.swapped_in():
         assert [m.adapter_enabled for m in modules] == [False, False]
     assert [m.adapter_enabled for m in modules] == [True, True]
+
+
+def _weights_dir(path, **tensors: torch.Tensor):
+    """An HF-style directory: one safetensors file of `tensors` and a config.json (not a weight file)."""
+    from safetensors.torch import save_file
+
+    path.mkdir()
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text("{}")
+    return path
+
+
+def _flip_byte(file, offset: int) -> None:
+    data = bytearray(file.read_bytes())
+    data[offset] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+def test_base_model_fingerprint_sees_names_sizes_headers_and_both_ends(tmp_path) -> None:
+    """4 MiB of weights: a copy has the same fingerprint; a byte flipped within the data's first MiB, a renamed or a
+    resized file, or another tensor name a different one. A byte in the middle is not read (the cost bound)."""
+    import shutil
+
+    base = _weights_dir(tmp_path / "base", w=torch.arange(1 << 20, dtype=torch.float32))
+    fingerprint = lora.base_model_fingerprint(base)
+    data_start = 8 + int.from_bytes((base / "model.safetensors").read_bytes()[:8], "little")
+
+    copy = shutil.copytree(base, tmp_path / "copy")
+    (copy / "config.json").write_text('{"other": 1}')  # not a weight file
+    assert lora.base_model_fingerprint(copy) == fingerprint
+
+    def changed(name: str, change) -> str:
+        other = shutil.copytree(base, tmp_path / name)
+        change(other)
+        return lora.base_model_fingerprint(other)
+
+    assert changed("first_mib", lambda d: _flip_byte(d / "model.safetensors", data_start + 1000)) != fingerprint
+    assert changed("last_mib", lambda d: _flip_byte(d / "model.safetensors", -5)) != fingerprint
+    assert changed("renamed", lambda d: (d / "model.safetensors").rename(d / "model-00001.safetensors")) != fingerprint
+    resized = _weights_dir(tmp_path / "resized", w=torch.arange((1 << 20) + 1, dtype=torch.float32))
+    assert lora.base_model_fingerprint(resized) != fingerprint
+    renamed_tensor = _weights_dir(tmp_path / "renamed_tensor", v=torch.arange(1 << 20, dtype=torch.float32))
+    assert lora.base_model_fingerprint(renamed_tensor) != fingerprint
+    assert changed("middle", lambda d: _flip_byte(d / "model.safetensors", data_start + (2 << 20))) == fingerprint
+
+
+def test_another_base_model_is_refused_naming_the_fix(tmp_path) -> None:
+    base = _weights_dir(tmp_path / "base", w=torch.zeros(4))
+    other = _weights_dir(tmp_path / "other", w=torch.ones(4))
+    saved = lora.BaseModel.of(base)
+    assert lora.BaseModel.from_dict(saved.to_dict()) == saved
+    assert lora.checked_base_model(saved, None, "ckpt/step_3", "--base-model DIR") == saved
+    with pytest.raises(ValueError, match=rf"LoRA checkpoint ckpt/step_3 was trained on the base model at {base} "
+                                         rf".*, but the base directory this run uses, {other}, holds another model "
+                                         r".*: point policy.model_name at the base the run was trained from"):
+        saved.check(lora.BaseModel.of(other), "ckpt/step_3", "policy.model_name")
+    with pytest.raises(ValueError, match=rf"the base model directory {tmp_path / 'gone'} of LoRA checkpoint "
+                                         r"ckpt/step_3 does not exist .*: pass the directory of that base with "
+                                         r"--base-model DIR"):
+        lora.checked_base_model(saved, tmp_path / "gone", "ckpt/step_3", "--base-model DIR")
+    with pytest.raises(ValueError, match="holds no weight file"):
+        lora.base_model_fingerprint(tmp_path)

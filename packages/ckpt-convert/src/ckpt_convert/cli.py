@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     m2h = sub.add_parser("mcore2hf", help="megatron-core checkpoint (+ ckpt_convert.json; e.g. a Megatron engine checkpoint) -> HF safetensors")
     m2h.add_argument("--mcore", required=True, help="megatron checkpoint directory")
     m2h.add_argument("--out", required=True, help="output directory (must not exist)")
+    m2h.add_argument("--base-model", metavar="DIR", default=None,
+                     help="a LoRA checkpoint (the adapters alone): the HF directory of its base model (default: the "
+                          "one it was trained on, recorded in ckpt_convert.json; it must hold the same weights)")
     return parser
 
 
@@ -49,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "hf2mcore":
             out = convert_hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep, dtype=args.dtype)
         else:
-            out = convert_mcore_to_hf(args.mcore, args.out)
+            out = convert_mcore_to_hf(args.mcore, args.out, base_model=args.base_model)
     except (ValueError, OSError) as err:  # OSError: a path that cannot be read or written, named in err
         print(f"ckpt-convert {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -5,8 +5,10 @@ layouts, dist_format.py the megatron files, hf_io.py the safetensors files). Inp
 headers before anything is written; output goes to a temporary sibling directory renamed into place at
 the end, so a failed run leaves nothing behind. The model config is saved beside the megatron checkpoint
 as `ckpt_convert.json` (incl. the full HF config), which is what mcore2hf and the megatron engine read. A
-Megatron-engine LoRA checkpoint lists its adapters there: mcore2hf merges each into its HF weight
-(rl_core.lora.merge_named, as the engine's export) and writes them in PEFT format too (rl_core.lora.ADAPTER_DIR).
+Megatron-engine LoRA checkpoint holds the adapters alone and lists them there, with the base model they were trained
+on (its HF directory and fingerprint): mcore2hf converts the base weights from that directory (or `base_model`) as
+the engine loaded them, merges each adapter into its HF weight (rl_core.lora.merge_named, as the engine's export) and
+writes the adapters in PEFT format too (rl_core.lora.ADAPTER_DIR).
 """
 
 from __future__ import annotations
@@ -44,11 +46,12 @@ from ckpt_convert.mcore_model import (
     read_json,
 )
 from rl_core.checkpoint_io import atomic_dir, write_manifest
-from rl_core.lora import adapter_names, merge_named, write_adapter_dir
+from rl_core.lora import BaseModel, adapter_names, checked_base_model, merge_named, write_adapter_dir
 
 logger = logging.getLogger(__name__)
 
 CONFIG_NAME = "ckpt_convert.json"
+BASE_MODEL_OPTION = "--base-model DIR (ckpt-convert mcore2hf; MegatronEngine.checkpoint_to_hf: model_dir)"
 HF_FILES_DIR = "hf_files"  # tokenizer, generation config...: copied through both directions
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # local-spec MoE layers store the pre-MLP norm under this key, TE-spec ones under pre_mlp_layernorm.weight
@@ -95,9 +98,10 @@ def save_conversion_metadata(ckpt_dir: str | os.PathLike, hf_config: Any, cfg: M
                              hf_dir: str | os.PathLike, *, tp: int = 1, pp: int = 1, ep: int = 1,
                              lora: dict[str, Any] | None = None) -> None:
     """`ckpt_convert.json` and the HF side files (tokenizer...) beside a megatron checkpoint written by
-    another tool (the Megatron engine's save_checkpoint), so that mcore2hf converts it. `lora` (a LoRA run):
-    `scaling`, `adapters` (HF adapter name, rl_core.lora.adapter_names -> megatron parameter name) and
-    `adapter_config` (adapter_config.json)."""
+    another tool (the Megatron engine's save_checkpoint), so that mcore2hf converts it. `lora` (a LoRA run, whose
+    checkpoint holds the adapters alone): `scaling`, `adapters` (HF adapter name, rl_core.lora.adapter_names ->
+    megatron parameter name), `adapter_config` (adapter_config.json), `base_model` (rl_core.lora.BaseModel.to_dict:
+    the HF directory of the frozen base and its fingerprint) and `base_dtype` (the engine's parameter dtype)."""
     save_model_config(ckpt_dir, hf_config, cfg, tp=tp, pp=pp, ep=ep, lora=lora)
     _copy_hf_files(Path(hf_dir), Path(ckpt_dir) / HF_FILES_DIR)
 
@@ -117,6 +121,17 @@ def load_model_config(ckpt_dir: str | os.PathLike, **kwargs: Any) -> tuple[Any, 
     hf_config = AutoConfig.for_model(hf_dict.pop("model_type"), **hf_dict)
     kwargs.setdefault("vocab_size", saved["vocab_size"])
     return hf_config, mcore_model_config(hf_config, **kwargs)
+
+
+def saved_lora(ckpt_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The `lora` section of a checkpoint's `ckpt_convert.json` (None: no adapters); ValueError for one written
+    before LoRA checkpoints held the adapters alone (no base model recorded)."""
+    lora = read_json(Path(ckpt_dir) / CONFIG_NAME).get("lora")
+    if lora is not None and "base_model" not in lora:
+        raise ValueError(f"{Path(ckpt_dir) / CONFIG_NAME} records no base model for its LoRA adapters: {ckpt_dir} was "
+                         "written before LoRA checkpoints held the adapters only; resume or convert it with the "
+                         "version that wrote it")
+    return lora
 
 
 def _plan_chunks(cfg: MCoreModelConfig, source: HFSource, dtype: torch.dtype) -> tuple[list[Chunk], dict]:
@@ -200,11 +215,40 @@ def _copy_hf_files(src: Path, dst: Path) -> None:
             shutil.copy2(file, dst / file.name)
 
 
-def _checkpoint_source(reader: CheckpointReader, name: str, tc: Any) -> tuple[str, tuple]:
-    key, prefix, _ = checkpoint_key(name, tc.num_layers, tc.num_moe_experts)
-    if key == _MOE_NORM_ALIAS[0] and not reader.has(key):
-        key = _MOE_NORM_ALIAS[1]
-    return key, prefix
+class _CheckpointWeights:
+    """The model weights stored in a megatron checkpoint, by mcore name."""
+
+    def __init__(self, reader: CheckpointReader, cfg: MCoreModelConfig) -> None:
+        self.reader, self.tc = reader, cfg.transformer_config
+
+    def _source(self, name: str) -> tuple[str, tuple]:
+        key, prefix, _ = checkpoint_key(name, self.tc.num_layers, self.tc.num_moe_experts)
+        if key == _MOE_NORM_ALIAS[0] and not self.reader.has(key):
+            key = _MOE_NORM_ALIAS[1]
+        return key, prefix
+
+    def meta(self, name: str) -> torch.Tensor:
+        key, prefix = self._source(name)
+        return torch.empty(self.reader.global_shape(key)[len(prefix):], dtype=self.reader.dtype(key), device="meta")
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.reader.read(*self._source(name))
+
+
+class _BaseModelWeights:
+    """A LoRA checkpoint's frozen weights, which it does not hold: its base model's HF tensors converted as the
+    engine converted and loaded them (hf2mcore's mapping, then the engine's parameter dtype `dtype`)."""
+
+    def __init__(self, source: HFSource, cfg: MCoreModelConfig, dtype: torch.dtype) -> None:
+        self.source, self.cfg, self.dtype = source, cfg, dtype
+
+    def meta(self, name: str) -> torch.Tensor:
+        sources = {h: self.source.meta(h) for h in hf_names_for(self.cfg, name) if h in self.source.shapes}
+        return hf_to_mcore_tensor(self.cfg, name, sources).to(self.dtype)
+
+    def read(self, name: str) -> torch.Tensor:
+        return hf_to_mcore_tensor(self.cfg, name, {h: self.source.get(h) for h in hf_names_for(self.cfg, name)}
+                                  ).to(self.dtype)
 
 
 def _read_adapter(reader: CheckpointReader, tc: Any, adapters: dict[str, str], name: str) -> torch.Tensor:
@@ -224,26 +268,29 @@ def _merged(pairs: list[tuple[str, torch.Tensor]], lora: dict[str, Any] | None,
 
 
 def convert_mcore_to_hf(mcore_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
-                        max_shard_bytes: int = 2 * 2**30) -> Path:
-    """Convert a megatron torch_dist checkpoint (ours, or megatron-saved at any TP/PP/EP) back to HF; a LoRA
-    checkpoint's adapters merged, and written in PEFT format beside the weights."""
+                        base_model: str | os.PathLike | None = None, max_shard_bytes: int = 2 * 2**30) -> Path:
+    """Convert a megatron torch_dist checkpoint (ours, or megatron-saved at any TP/PP/EP) back to HF. A LoRA
+    checkpoint (the adapters alone): its base weights from `base_model` (default: the base directory it records,
+    whose fingerprint `base_model` must have), the adapters merged, and written in PEFT format beside the weights."""
     mcore_dir, out_dir = Path(mcore_dir), Path(out_dir)
     reader = CheckpointReader(mcore_dir)
-    hf_config, cfg = load_model_config(
-        mcore_dir, vocab_size=reader.global_shape("embedding.word_embeddings.weight")[0])
+    lora = saved_lora(mcore_dir)
+    if lora:  # the embedding's padded rows are the checkpoint's only where it holds the embedding
+        hf_config, cfg = load_model_config(mcore_dir)
+        base = checked_base_model(BaseModel.from_dict(lora["base_model"]), base_model, mcore_dir, BASE_MODEL_OPTION)
+        weights = _BaseModelWeights(HFSource(base.path), cfg, getattr(torch, lora["base_dtype"]))
+    else:
+        hf_config, cfg = load_model_config(
+            mcore_dir, vocab_size=reader.global_shape("embedding.word_embeddings.weight")[0])
+        weights = _CheckpointWeights(reader, cfg)
     start = time.perf_counter()
-    tc = cfg.transformer_config
     names = mcore_names(cfg)
-    sources = [_checkpoint_source(reader, name, tc) for name in names]
-    plan = []  # HF (name, shape, dtype) per mcore tensor, from meta tensors: no data read yet
-    for name, (key, prefix) in zip(names, sources):
-        meta = torch.empty(reader.global_shape(key)[len(prefix):], dtype=reader.dtype(key), device="meta")
-        plan.append([(n, tuple(t.shape), t.dtype) for n, t in mcore_to_hf_tensors(cfg, hf_config, name, meta)])
-    lora = read_json(mcore_dir / CONFIG_NAME).get("lora")  # absent: no adapters
-    read_adapter = functools.partial(_read_adapter, reader, tc, lora["adapters"] if lora else {})
-    tensors = (pair for name, (key, prefix) in zip(tqdm(names, desc="mcore2hf", unit="tensor", disable=None), sources)
-               for pair in _merged(mcore_to_hf_tensors(cfg, hf_config, name, reader.read(key, prefix)), lora,
-                                   read_adapter))
+    # HF (name, shape, dtype) per mcore tensor, from meta tensors: no data read yet
+    plan = [[(n, tuple(t.shape), t.dtype) for n, t in mcore_to_hf_tensors(cfg, hf_config, name, weights.meta(name))]
+            for name in names]
+    read_adapter = functools.partial(_read_adapter, reader, cfg.transformer_config, lora["adapters"] if lora else {})
+    tensors = (pair for name in tqdm(names, desc="mcore2hf", unit="tensor", disable=None)
+               for pair in _merged(mcore_to_hf_tensors(cfg, hf_config, name, weights.read(name)), lora, read_adapter))
     with atomic_dir(new_output_dir(out_dir), replace=False) as tmp:
         num_params = write_hf_checkpoint(tmp, plan, tensors, hf_config, mcore_dir / HF_FILES_DIR,
                                          max_shard_bytes=max_shard_bytes)

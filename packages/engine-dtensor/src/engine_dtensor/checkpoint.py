@@ -1,6 +1,7 @@
 """Checkpoints and weight export of a parallelised model.
 
-Owns: `torch.distributed.checkpoint` (DCP) save/load of model + optimizer (sharded, reshardable),
+Owns: `torch.distributed.checkpoint` (DCP) save/load of model + optimizer (sharded, reshardable; a LoRA run's model
+state is its adapters alone: the frozen base is rebuilt from its HF directory, whose fingerprint `LORA_FILE` records),
 scheduler and per-rank RNG state (tensors and plain values: loaded with weights_only), written to
 `<path>.tmp`, listed in a checksum manifest and renamed into place, so that a crash never leaves a
 half-written `<path>` and a damaged one is refused before DCP unpickles its `.metadata`; on load the
@@ -29,12 +30,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
 from engine_dtensor import lora
 from engine_dtensor.config import LoRAConfig
-from engine_dtensor.loading import build_meta_model
+from engine_dtensor.loading import build_meta_model, materialize
 from engine_dtensor.parallelize import hf_name
 from rl_core import checkpoint_io
 from rl_core import lora as shared_lora
@@ -43,7 +44,7 @@ from rl_core.lora import ADAPTER_DIR  # noqa: F401 - where save_hf puts the adap
 
 logger = logging.getLogger(__name__)
 
-LORA_FILE = "lora.json"  # the LoRA settings of a checkpoint of a LoRA run
+LORA_FILE = "lora.json"  # a LoRA run's checkpoint: its settings, base model and base dtype (LoRACheckpoint)
 # The adapters alone in PEFT format (ADAPTER_DIR) are written with the HF directory by the same atomic commit and
 # covered by its manifest (and the trainer's), so the merged model and its adapter never come from different steps.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
@@ -76,29 +77,73 @@ def _commit(tmp: Path, path: str) -> None:
     _barrier()
 
 
-def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: object,
-                    lora_cfg: LoRAConfig | None = None) -> None:
-    """DCP model + optimizer shards, plus scheduler and this rank's RNG state, atomically at `path`; with LoRA,
-    its settings (`LORA_FILE`: what an offline export needs to merge the adapters)."""
-    tmp = _prepare_tmp(path)
+@dataclasses.dataclass(frozen=True)
+class LoRACheckpoint:
+    """What a LoRA checkpoint records beside its adapters (`LORA_FILE`): the settings, the base model they were
+    trained on, and the dtype its frozen weights had in the engine (the offline export rebuilds them alike)."""
+
+    cfg: LoRAConfig
+    base: shared_lora.BaseModel
+    base_dtype: torch.dtype
+
+    def write(self, directory: Path) -> None:
+        saved = {**dataclasses.asdict(self.cfg), "base_model": self.base.to_dict(),
+                 "base_dtype": str(self.base_dtype).removeprefix("torch.")}
+        (directory / LORA_FILE).write_text(json.dumps(saved, indent=1))
+
+    @classmethod
+    def read(cls, checkpoint_dir: str) -> LoRACheckpoint | None:
+        """The record of a LoRA run's checkpoint; None for a checkpoint of a full fine-tune."""
+        file = Path(checkpoint_dir) / LORA_FILE
+        if not file.is_file():
+            return None
+        saved = json.loads(file.read_text())
+        if "base_model" not in saved:
+            raise ValueError(f"{file} records no base model: {checkpoint_dir} was written before LoRA checkpoints "
+                             "held the adapters only; resume or export it with the version that wrote it")
+        base, dtype = shared_lora.BaseModel.from_dict(saved.pop("base_model")), getattr(torch, saved.pop("base_dtype"))
+        return cls(parse_config(LoRAConfig, saved, LORA_FILE), base, dtype)
+
+
+def _model_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """The DCP state of model and optimizer: with LoRA the adapters alone (the optimizer holds nothing else), no
+    frozen base weight: it is the base model's, which the engine loads from its HF directory."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    if lora.lora_modules(model):
+        model_sd = {name: tensor for name, tensor in model_sd.items() if lora.is_adapter_param(name)}
+    return model_sd, optim_sd
+
+
+def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: object,
+                    lora_checkpoint: LoRACheckpoint | None = None) -> None:
+    """DCP model + optimizer shards, plus scheduler and this rank's RNG state, atomically at `path`; with LoRA the
+    adapters as the model state, and `lora_checkpoint` (`LORA_FILE`: what resume and offline export check and
+    need to rebuild the base)."""
+    tmp = _prepare_tmp(path)
+    model_sd, optim_sd = _model_state(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     extra = {"scheduler": scheduler.state_dict(), "rng": checkpoint_io.rng_state()}
     torch.save(extra, tmp / f"extra_rank{_rank()}.pt")
-    if lora_cfg is not None and _rank() == 0:
-        (tmp / LORA_FILE).write_text(json.dumps(dataclasses.asdict(lora_cfg), indent=1))
+    if lora_checkpoint is not None and _rank() == 0:
+        lora_checkpoint.write(tmp)
     _commit(tmp, path)
     logger.info("saved checkpoint %s", path)
 
 
-def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: object) -> None:
-    """Restore what `save_checkpoint` wrote (resharding to this run's layout if it differs)."""
+def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: object,
+                    lora_base: shared_lora.BaseModel | None = None) -> None:
+    """Restore what `save_checkpoint` wrote (resharding to this run's layout if it differs); with LoRA the
+    adapters, after checking that `lora_base` (the base this engine loaded) is the one they were trained on."""
     _verify_checkpoint(path)
+    if lora_base is not None:
+        _check_lora_base(path, lora_base)
     configured = _hyperparameters(optimizer, scheduler)
-    model_sd, optim_sd = get_state_dict(model, optimizer)  # the target layout, incl. empty optimizer state
+    model_sd, optim_sd = _model_state(model, optimizer)  # the target layout, incl. empty optimizer state
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    # LoRA: the model state is the adapters; the frozen base stays as the engine loaded it
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=StateDictOptions(strict=not lora.lora_modules(model)))
     extra_file = Path(path) / f"extra_rank{_rank()}.pt"
     if not extra_file.exists():  # loaded at a larger world size: ranks without a file reuse rank 0's RNG
         logger.warning("%s not found (checkpoint from fewer ranks); using rank 0's RNG state", extra_file)
@@ -108,6 +153,15 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     _restore_configured_hyperparameters(path, optimizer, scheduler, configured)
     checkpoint_io.set_rng_state(extra["rng"])
     logger.info("loaded checkpoint %s", path)
+
+
+def _check_lora_base(path: str, current: shared_lora.BaseModel) -> None:
+    """ValueError unless checkpoint `path` holds adapters trained on `current`, the base this run loaded."""
+    saved = LoRACheckpoint.read(path)
+    if saved is None:
+        raise ValueError(f"{path} is a checkpoint of a full fine-tune (no {LORA_FILE}), not of a LoRA run: resume it "
+                         "with policy.dtensor_cfg.lora_cfg.enabled=false")
+    saved.base.check(current, path, "policy.model_name")
 
 
 def _verify_checkpoint(path: str) -> None:
@@ -212,41 +266,53 @@ def _write_on_rank0(stream: Iterable[tuple[str, Tensor]],
 def checkpoint_to_hf(checkpoint_dir: str, out_dir: str, *, model_dir: str, max_shard_bytes: int = 2 << 30) -> None:
     """The model weights of a `save_checkpoint` directory (any FSDP/TP layout) as an HF model directory at
     `out_dir`, which must not exist; offline: one process, no process group, CPU, the optimizer never read.
-    `model_dir` (the run's policy.model_name) gives the architecture, config and tokenizer files. A LoRA checkpoint
-    gives what the live `save_hf` writes: the merged weights and the adapters in PEFT format (`ADAPTER_DIR`)."""
+    `model_dir` (the run's policy.model_name) gives the architecture, config and tokenizer files, and for a LoRA
+    checkpoint (the adapters alone) the base weights too: then it writes what the live `save_hf` writes, the merged
+    weights and the adapters in PEFT format (`ADAPTER_DIR`)."""
     if Path(out_dir).exists():
         raise ValueError(f"{out_dir} already exists; remove it or choose another output directory")
     _verify_checkpoint(checkpoint_dir)
+    saved_lora = LoRACheckpoint.read(checkpoint_dir)
+    if saved_lora is not None:  # before the model is built from model_dir: a missing one is named as the base
+        shared_lora.checked_base_model(saved_lora.base, model_dir, checkpoint_dir,
+                                       "model_dir (uv run apps/grpo export --base-model DIR)")
     model = build_meta_model(model_dir, "eager")  # names, order, ties and MoE layout; no storage
-    lora_file = Path(checkpoint_dir) / LORA_FILE
-    lora_cfg = None
-    if lora_file.is_file():  # the adapters the run trained, on the modules it put them on
-        lora_cfg = parse_config(LoRAConfig, json.loads(lora_file.read_text()), "lora.json")
-        lora.apply_lora(model, lora_cfg, frozen_dtype=torch.float32)
-    adapters = lora.adapter_names(model)
-    full = _load_model_tensors(checkpoint_dir, model, model_dir,
-                               [name for a, b, _ in adapters.values() for name in (a, b)])
-
-    def take(name: str, tensor: Tensor) -> Tensor:  # popped: each tensor is freed once its shard is written
-        if name not in adapters:
-            return full.pop(name)
-        a, b, scaling = adapters[name]
-        return shared_lora.merge(full.pop(name), full.pop(a), full.pop(b), scaling)
-
     with checkpoint_io.atomic_dir(out_dir, replace=False) as tmp:
-        if lora_cfg is not None:  # before the merge pops A and B
-            shared_lora.write_adapter_dir(tmp, ((name, full[name]) for a, b, _ in adapters.values() for name in (a, b)),
-                               lora.peft_adapter_config(model, lora_cfg, model_dir))
-        _write_hf_dir(tmp, _hf_tensors(model, take), model, model_dir, max_shard_bytes)
+        if saved_lora is None:
+            _write_hf_dir(tmp, _checkpoint_weights(checkpoint_dir, model, model_dir), model, model_dir,
+                          max_shard_bytes)
+        else:
+            _load_lora_model(checkpoint_dir, model, model_dir, saved_lora)
+            shared_lora.write_adapter_dir(tmp, lora.adapter_tensors(model),
+                                          lora.peft_adapter_config(model, saved_lora.cfg, model_dir))
+            _write_hf_dir(tmp, export_hf_weights(model), model, model_dir, max_shard_bytes)  # the live exporter
         checkpoint_io.write_manifest(tmp)  # as save_hf's directories have one
     logger.info("exported %s to HF checkpoint %s", checkpoint_dir, out_dir)
 
 
-def _load_model_tensors(checkpoint_dir: str, model: nn.Module, model_dir: str,
-                        adapters: list[str]) -> dict[str, Tensor]:
-    """HF name -> full tensor of each `_distinct_state(model)` entry and of the LoRA `adapters`, read from the
-    `model.*` entries of a DCP checkpoint (no `optim.*` entry, nor a tied weight's second name, is read),
-    assembled from all ranks' shards in this process. The checkpoint must hold exactly the model's weights: an
+def _checkpoint_weights(checkpoint_dir: str, model: nn.Module, model_dir: str) -> Iterator[tuple[str, Tensor]]:
+    """The HF tensors of a full fine-tune's checkpoint, one at a time, each freed once its shard is written."""
+    full = _load_model_tensors(checkpoint_dir, model, model_dir, list(_distinct_state(model)))
+    return _hf_tensors(model, lambda name, tensor: full.pop(name))
+
+
+def _load_lora_model(checkpoint_dir: str, model: nn.Module, model_dir: str, saved: LoRACheckpoint) -> None:
+    """The meta `model` becomes the LoRA run's model on the CPU as the engine built it: adapters on the same
+    modules, the frozen base loaded from `model_dir` in the engine's dtype, and the adapters from the checkpoint."""
+    lora.apply_lora(model, saved.cfg, frozen_dtype=saved.base_dtype)
+    with lora.adapters_detached(model):
+        materialize(model, model_dir, torch.device("cpu"))
+    adapters = {f"{name}.{adapter}": getattr(module, adapter) for name, module in lora.adapters_by_module(model).items()
+                for adapter in lora.ADAPTER_NAMES}
+    full = _load_model_tensors(checkpoint_dir, model, model_dir, [f"{name}.weight" for name in adapters])
+    for name, linear in adapters.items():
+        linear.weight = nn.Parameter(full.pop(f"{name}.weight"), requires_grad=False)
+
+
+def _load_model_tensors(checkpoint_dir: str, model: nn.Module, model_dir: str, names: list[str]) -> dict[str, Tensor]:
+    """HF name -> full tensor of each of `names` (the `_distinct_state(model)` entries, or a LoRA model's adapters),
+    read from the `model.*` entries of a DCP checkpoint (no `optim.*` entry, nor a tied weight's second name, is
+    read), assembled from all ranks' shards in this process. The checkpoint must hold no weight the model lacks: an
     extra one (another architecture's bias) would otherwise be dropped silently."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -254,7 +320,6 @@ def _load_model_tensors(checkpoint_dir: str, model: nn.Module, model_dir: str,
     entries = reader.read_metadata().state_dict_metadata  # DCP keys: "model.<fqn>", "optim.<...>"
     keys = {hf_name(key.removeprefix("model.")): key for key, meta in entries.items()
             if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
-    names = [*_distinct_state(model), *adapters]
     missing = [name for name in names if name not in keys]
     extra = sorted(set(keys) - {hf_name(name) for name in model.state_dict()})  # tied weights under each name
     if missing or extra:

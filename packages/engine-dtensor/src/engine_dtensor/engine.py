@@ -34,7 +34,7 @@ from rl_core.batch import LossFn, LossInputs, StepResult, TokenBatch
 from rl_core.config import PolicyConfig, micro_batch_limits
 from rl_core.distributed import init_process_group
 from rl_core.interfaces import TrainingEngine
-from rl_core.lora import BaseModelReference
+from rl_core.lora import BaseModel, BaseModelReference
 from rl_core.metrics import all_reduce_metrics, combine_metrics
 from rl_core.reference import FrozenWeights
 from rl_core.registry import register_engine
@@ -108,8 +108,9 @@ class DTensorEngine(TrainingEngine):
     @classmethod
     def checkpoint_to_hf(cls, checkpoint_dir: str, out_dir: str, *, model_dir: str) -> None:
         """An HF model directory from a `save_checkpoint` directory, offline (one CPU process, weights only),
-        so that exporting needs no restart of the engine on the training layout; for a LoRA checkpoint what
-        save_hf writes: the merged weights and the adapter in PEFT format."""
+        so that exporting needs no restart of the engine on the training layout; for a LoRA checkpoint (the adapters
+        alone, the base weights read from `model_dir`, which must be the base they were trained on) what save_hf
+        writes: the merged weights and the adapter in PEFT format."""
         checkpoint.checkpoint_to_hf(checkpoint_dir, out_dir, model_dir=model_dir)
 
     def __init__(self, policy: PolicyConfig) -> None:
@@ -130,8 +131,13 @@ class DTensorEngine(TrainingEngine):
         # torchtitan's order: shapes on the meta device, shard, then storage and weights for the shards only
         # (fp32 master weights; the compute dtype is FSDP's job), so no rank ever holds the whole model.
         self.model = build_meta_model(policy.model_name, self.attn_impl)
+        self.lora_checkpoint: checkpoint.LoRACheckpoint | None = None  # with LoRA: what its checkpoints record
         if self.cfg.lora_cfg.enabled:  # before any wrapper: FSDP2 shards adapters and frozen base weights together
-            lora.apply_lora(self.model, self.cfg.lora_cfg, frozen_dtype=getattr(torch, self.cfg.precision))
+            frozen_dtype = getattr(torch, self.cfg.precision)
+            lora.apply_lora(self.model, self.cfg.lora_cfg, frozen_dtype=frozen_dtype)
+            # the checkpoints hold the adapters alone: the base they apply to is this one, fingerprinted once
+            self.lora_checkpoint = checkpoint.LoRACheckpoint(self.cfg.lora_cfg, BaseModel.of(policy.model_name),
+                                                             frozen_dtype)
         parallelize(self.model, self.parallel_dims, self.cfg)
         device = torch.device("cpu") if self.cfg.cpu_offload else self.device
         with lora.adapters_detached(self.model):  # the HF checkpoint has base weights only
@@ -277,13 +283,17 @@ class DTensorEngine(TrainingEngine):
         checkpoint.save_hf(path, self.model, self.policy.model_name, self._lora_cfg())
 
     def save_checkpoint(self, path: str) -> None:
-        checkpoint.save_checkpoint(path, self.model, self.optimizer, self.scheduler, self._lora_cfg())
+        """DCP checkpoint at `path`; with LoRA the adapters (and their optimizer state), no frozen base weight."""
+        checkpoint.save_checkpoint(path, self.model, self.optimizer, self.scheduler, self.lora_checkpoint)
 
     def _lora_cfg(self) -> LoRAConfig | None:
         return self.cfg.lora_cfg if self.cfg.lora_cfg.enabled else None
 
     def load_checkpoint(self, path: str) -> None:
-        checkpoint.load_checkpoint(path, self.model, self.optimizer, self.scheduler)
+        """Restore `save_checkpoint`'s state; with LoRA onto the base model this engine loaded, which must be the
+        one the adapters were trained on (ValueError naming policy.model_name otherwise)."""
+        base = self.lora_checkpoint.base if self.lora_checkpoint is not None else None
+        checkpoint.load_checkpoint(path, self.model, self.optimizer, self.scheduler, base)
 
     def offload(self, *, keep_weights: bool = False) -> None:
         self._move_to(torch.device("cpu"), keep_weights=keep_weights)

@@ -1,11 +1,12 @@
 """Engine checkpoints with megatron's dist_checkpointing: model, optimizer, scheduler and RNG.
 
 Owns the on-disk layout of an engine checkpoint: one `dist_checkpointing` directory holding the model's
-sharded state, the distributed optimizer's state in the `fully_reshardable` layout (loadable under
-another DP size), the scheduler (common state) and one RNG file per rank. Written into a temporary
-directory beside `path`, listed in a checksum manifest and renamed into place only after every rank has
-finished, so a crash never leaves a half-written checkpoint under `path`, and a damaged one is refused
-before megatron reads (and unpickles) it. RNG files hold tensors and plain values (loaded weights_only).
+sharded state (a LoRA run's: the adapters alone; the frozen base is the base model's, which the engine converts from
+its HF directory, and the engine records its fingerprint beside the checkpoint), the distributed optimizer's state
+in the `fully_reshardable` layout (loadable under another DP size), the scheduler (common state) and one RNG file
+per rank. Written into a temporary directory beside `path`, listed in a checksum manifest and renamed into place
+only after every rank has finished, so a crash never leaves a half-written checkpoint under `path`, and a damaged
+one is refused before megatron reads (and unpickles) it. RNG files hold tensors and plain values (loaded weights_only).
 On load the optimizer settings stay the configured ones (lr and weight decay: the scheduler; betas, eps:
 here), as in the DTensor engine; only the schedule's position comes from the checkpoint.
 """
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from engine_megatron import lora
 from engine_megatron.compat import device_context
 from engine_megatron.model import gpt_model
 from rl_core import checkpoint_io
@@ -35,8 +37,11 @@ CONFIGURED_SETTINGS = ("betas", "eps", "momentum")
 SCHEDULED_GROUP_KEYS = ("max_lr", "min_lr", "start_wd", "end_wd")
 
 
-def _sharded_state(model: Any, optimizer: Any, scheduler: Any, *, is_loading: bool) -> dict[str, Any]:
+def _sharded_state(model: Any, optimizer: Any, scheduler: Any, *, is_loading: bool,
+                   adapters_only: bool) -> dict[str, Any]:
     model_sd = gpt_model(model).sharded_state_dict()
+    if adapters_only:  # the distributed optimizer pairs its state with the adapters, the only parameters it holds
+        model_sd = {key: value for key, value in model_sd.items() if lora.is_adapter(key)}
     return {
         "model": model_sd,
         "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIMIZER_METADATA),
@@ -141,8 +146,9 @@ def _common_path(path: str) -> Path:
 
 
 def save(path: str, model: Any, optimizer: Any, scheduler: Any,
-         write_side_files: Callable[[Path], None] | None = None) -> None:
-    """Write everything under `path` atomically (temp dir + rename after a barrier).
+         write_side_files: Callable[[Path], None] | None = None, *, adapters_only: bool = False) -> None:
+    """Write everything under `path` atomically (temp dir + rename after a barrier); `adapters_only` (LoRA): of
+    the model, its adapters alone.
 
     `write_side_files(dir)` (rank 0) adds files beside the engine state before the manifest is written.
     """
@@ -158,7 +164,8 @@ def save(path: str, model: Any, optimizer: Any, scheduler: Any,
     _materialize_adam_state(optimizer)
     _use_forked_results_queue()
     with device_context():
-        dist_checkpointing.save(_sharded_state(model, optimizer, scheduler, is_loading=False), str(tmp))
+        dist_checkpointing.save(_sharded_state(model, optimizer, scheduler, is_loading=False,
+                                               adapters_only=adapters_only), str(tmp))
     torch.save(_rng_state(), tmp / f"rng_rank{dist.get_rank()}.pt")
     if dist.get_rank() == 0 and write_side_files is not None:
         write_side_files(tmp)
@@ -170,8 +177,11 @@ def save(path: str, model: Any, optimizer: Any, scheduler: Any,
     logger.info("saved engine checkpoint to %s", final)
 
 
-def load(path: str, model: Any, optimizer: Any, scheduler: Any) -> None:
-    """Restore model, optimizer, scheduler and (when saved with the same world size) this rank's RNG."""
+def load(path: str, model: Any, optimizer: Any, scheduler: Any, check_side_files: Callable[[Path], None] | None = None,
+         *, adapters_only: bool = False) -> None:
+    """Restore model (`adapters_only`: its adapters; the rest stays as loaded), optimizer, scheduler and (when saved
+    with the same world size) this rank's RNG. `check_side_files(dir)` raises if the files `save` wrote beside the
+    state do not fit this engine: after the manifest is verified, before anything is loaded."""
     from megatron.core import dist_checkpointing
 
     path = str(_common_path(path))
@@ -180,10 +190,13 @@ def load(path: str, model: Any, optimizer: Any, scheduler: Any) -> None:
                          "MegatronEngine.save_checkpoint wrote")
     # before dist_checkpointing reads (and unpickles) anything in it; names a listed file that is missing
     checkpoint_io.verify_manifest_on_all_ranks(path)
+    if check_side_files is not None:
+        check_side_files(Path(path))
     with device_context():
-        state = dist_checkpointing.load(_sharded_state(model, optimizer, scheduler, is_loading=True), path)
+        state = dist_checkpointing.load(_sharded_state(model, optimizer, scheduler, is_loading=True,
+                                                       adapters_only=adapters_only), path)
     missing, unexpected = gpt_model(model).load_state_dict(state["model"], strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
+    missing = [k for k in missing if not k.endswith("_extra_state") and (lora.is_adapter(k) or not adapters_only)]
     if missing or unexpected:
         raise ValueError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
     configured = _configured_settings(optimizer)

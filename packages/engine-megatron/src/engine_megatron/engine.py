@@ -49,7 +49,7 @@ from rl_core.batch import LossFn, LossInputs, StepResult, TokenBatch
 from rl_core.config import PolicyConfig
 from rl_core.distributed import init_process_group
 from rl_core.interfaces import TrainingEngine
-from rl_core.lora import BaseModelReference, write_adapter_dir
+from rl_core.lora import BaseModel, BaseModelReference, write_adapter_dir
 from rl_core.metrics import all_reduce_metrics, combine_metrics
 from rl_core.reference import FrozenWeights
 from rl_core.registry import register_engine
@@ -102,12 +102,13 @@ class MegatronEngine(TrainingEngine):
     @classmethod
     def checkpoint_to_hf(cls, checkpoint_dir: str, out_dir: str, *, model_dir: str) -> None:
         """An HF model directory from a `save_checkpoint` directory, offline (`ckpt-convert mcore2hf`): the
-        checkpoint carries its own model config and HF side files, so `model_dir` is not read."""
+        checkpoint carries its own model config and HF side files; `model_dir` (the run's policy.model_name) is read
+        for a LoRA checkpoint only, whose base weights it holds (the checkpoint has the adapters alone)."""
         from ckpt_convert.convert import convert_mcore_to_hf, new_output_dir
 
         new_output_dir(Path(out_dir))  # an existing out_dir is refused before the checkpoint is hashed
         checkpoint_io.verify_manifest(checkpoint_dir)  # ours always have one; mcore2hf would only warn
-        convert_mcore_to_hf(checkpoint_dir, out_dir)
+        convert_mcore_to_hf(checkpoint_dir, out_dir, base_model=model_dir)
 
     def __init__(self, policy: PolicyConfig) -> None:
         from ckpt_convert.mcore_model import load_hf_config, mcore_model_config
@@ -126,6 +127,8 @@ class MegatronEngine(TrainingEngine):
         if dist.get_rank() == 0:
             logger.info("megatron engine resolved config: %s; %s", self.cfg, self.settings.describe())
         self.lora_cfg = self.cfg.lora_cfg if self.cfg.lora_cfg.enabled else None
+        # LoRA checkpoints hold the adapters alone: the base they apply to is this one, fingerprinted once
+        self.lora_base = BaseModel.of(policy.model_name) if self.lora_cfg is not None else None
         self.model = build_ddp_model(self.model_cfg, self.cfg.distributed_data_parallel_config, self.ranks,
                                      self.lora_cfg)
         ckpt_dir = convert_once(policy.model_name, self.cfg.converted_checkpoint_dir, self.cfg.tp, self.cfg.pp,
@@ -238,19 +241,35 @@ class MegatronEngine(TrainingEngine):
         logger.info("saved HF checkpoint %s", path)
 
     def save_checkpoint(self, path: str) -> None:
-        """The engine checkpoint, plus what `ckpt-convert mcore2hf` needs beside it (model config, HF files)."""
+        """The engine checkpoint (with LoRA: the adapters and their optimizer state, no frozen base weight), plus
+        what `ckpt-convert mcore2hf` needs beside it (model config, HF files; with LoRA the base model's record)."""
         from ckpt_convert.convert import save_conversion_metadata
 
         def write_conversion_metadata(directory: Path) -> None:  # inside the checkpoint's manifest
             adapters = (None if self.lora_cfg is None
-                        else lora.conversion_metadata(self.model_cfg, self.lora_cfg, self.policy.model_name))
+                        else lora.conversion_metadata(self.model_cfg, self.lora_cfg, self.policy.model_name,
+                                                      self.lora_base))
             save_conversion_metadata(directory, self.hf_config, self.model_cfg, self.policy.model_name,
                                      tp=self.cfg.tp, pp=self.cfg.pp, ep=self.cfg.ep, lora=adapters)
 
-        checkpoint.save(path, self.model, self.optimizer, self.scheduler, write_conversion_metadata)
+        checkpoint.save(path, self.model, self.optimizer, self.scheduler, write_conversion_metadata,
+                        adapters_only=self.lora_cfg is not None)
 
     def load_checkpoint(self, path: str) -> None:
-        checkpoint.load(path, self.model, self.optimizer, self.scheduler)
+        """Restore `save_checkpoint`'s state; with LoRA onto the base model this engine loaded, which must be the
+        one the adapters were trained on (ValueError naming policy.model_name otherwise)."""
+        check = self._check_lora_base if self.lora_base is not None else None
+        checkpoint.load(path, self.model, self.optimizer, self.scheduler, check, adapters_only=check is not None)
+
+    def _check_lora_base(self, directory: Path) -> None:
+        """ValueError unless checkpoint `directory` holds adapters trained on this engine's base model."""
+        from ckpt_convert.convert import CONFIG_NAME, saved_lora
+
+        saved = saved_lora(directory)
+        if saved is None:
+            raise ValueError(f"{directory} is a checkpoint of a full fine-tune (its {CONFIG_NAME} lists no adapters), "
+                             "not of a LoRA run: resume it with policy.megatron_cfg.lora_cfg.enabled=false")
+        BaseModel.from_dict(saved["base_model"]).check(self.lora_base, directory, "policy.model_name")
 
     def offload(self, *, keep_weights: bool = False) -> None:
         """Move weights, grads and optimizer state to host memory (a no-op on a CPU device)."""

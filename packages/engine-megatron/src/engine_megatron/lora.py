@@ -90,9 +90,14 @@ def peft_config(model_cfg: Any, cfg: shared.LoRAConfig, base_model: str) -> dict
                                       shared.peft_target_modules(targets, candidate_modules(model_cfg)))
 
 
-def conversion_metadata(model_cfg: Any, cfg: shared.LoRAConfig, base_model: str) -> dict[str, object]:
-    """What an offline export (ckpt-convert mcore2hf) needs to merge the adapters of an engine checkpoint and write
-    the PEFT adapter directory: the scaling, HF adapter name -> megatron name, and adapter_config.json."""
+def conversion_metadata(model_cfg: Any, cfg: shared.LoRAConfig, base_model: str,
+                        base: shared.BaseModel) -> dict[str, object]:
+    """What an offline export (ckpt-convert mcore2hf) needs to rebuild the base of an engine checkpoint (which holds
+    the adapters alone), merge the adapters and write the PEFT adapter directory: the base model (directory and
+    fingerprint) and the dtype of its weights in the engine, the scaling, HF adapter name -> megatron name, and
+    adapter_config.json (naming `base_model`, policy.model_name, as save_hf's does)."""
     params = adapter_params(model_cfg, select_targets(model_cfg, cfg))
-    return {"scaling": cfg.scaling, "adapters": {hf: mcore for mcore, hf in params.items()},
+    return {"base_model": base.to_dict(),
+            "base_dtype": str(model_cfg.transformer_config.params_dtype).removeprefix("torch."),
+            "scaling": cfg.scaling, "adapters": {hf: mcore for mcore, hf in params.items()},
             "adapter_config": peft_config(model_cfg, cfg, base_model)}

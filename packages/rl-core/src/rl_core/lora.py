@@ -1,5 +1,7 @@
 """LoRA pieces that do not depend on an engine: the config schema, the adapters' initial values, the merge, target
-selection by HF module name, the PEFT adapter format, and the KL reference of a LoRA run (the base model).
+selection by HF module name, the PEFT adapter format, the KL reference of a LoRA run (the base model), and the base
+model's fingerprint: a LoRA engine checkpoint holds the adapters alone, and the base they were trained on is rebuilt
+from its HF directory, which must be that same base.
 
 Both engines put one adapter on each selected Hugging Face linear module (`model.layers.0.self_attn.q_proj`), A
 (dim, in) and B (out, dim), whatever their own module layout (the Megatron engine fuses q/k/v and gate/up), so that
@@ -12,8 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import hashlib
 import json
 import math
+import os
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +35,8 @@ INIT_SEED = 0
 # loaders read from the top level only): the adapter applies to the base model its adapter_config.json names.
 ADAPTER_DIR = "adapter"
 PEFT_PREFIX = "base_model.model."  # peft's key of the wrapped *ForCausalLM in adapter_model.safetensors
+WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")  # what a base model's fingerprint covers
+FINGERPRINT_EDGE_BYTES = 1 << 20  # bytes of data hashed at each end of a weight file
 
 
 @dataclass(kw_only=True)
@@ -174,3 +180,81 @@ class BaseModelReference:
 
     def to(self, device: torch.device | str) -> None:
         """Nothing to move: the reference is the policy's own base weights."""
+
+
+def base_model_fingerprint(model_dir: str | os.PathLike) -> str:
+    """sha256 over each weight file of HF directory `model_dir` (by name): its name, size, safetensors header (every
+    tensor's name, dtype, shape and offsets) and the first and last MiB of its data. Cheap on a 16 GB model (a few
+    MiB read per file, no full hash), and it tells apart another model, another shape, and the same shapes with
+    other weights (a fine-tune or another seed changes nearly every weight, those at the ends of each file too); a
+    change confined to the middle of a file goes unseen, the price of not reading it."""
+    files = sorted(p for p in Path(model_dir).iterdir() if p.is_file() and p.name.endswith(WEIGHT_FILE_SUFFIXES))
+    if not files:
+        raise ValueError(f"{model_dir} holds no weight file ({', '.join(WEIGHT_FILE_SUFFIXES)}): pass the HF "
+                         "directory of the base model")
+    digest = hashlib.sha256()
+    for file in files:
+        for piece in _weight_file_sample(file):
+            digest.update(piece)
+    return digest.hexdigest()
+
+
+def _weight_file_sample(file: Path) -> Iterator[bytes]:
+    """What the fingerprint hashes of one weight file: name and size, the safetensors header, and the first and
+    last FINGERPRINT_EDGE_BYTES of the data after it."""
+    size = file.stat().st_size
+    yield f"{file.name}\0{size}\0".encode()
+    with open(file, "rb") as f:
+        data_start = 0
+        if file.suffix == ".safetensors" and size >= 8:  # u64 header length, the JSON header, then the data
+            header_len = int.from_bytes(f.read(8), "little")
+            data_start = 8 + header_len
+            yield f.read(header_len)
+        f.seek(data_start)
+        yield f.read(FINGERPRINT_EDGE_BYTES)
+        f.seek(max(data_start, size - FINGERPRINT_EDGE_BYTES))
+        yield f.read(FINGERPRINT_EDGE_BYTES)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BaseModel:
+    """The base model a LoRA checkpoint's adapters were trained on: its HF directory (absolute) and fingerprint,
+    saved with the checkpoint (computed once per engine, at build), checked where the base is rebuilt."""
+
+    path: str
+    fingerprint: str
+
+    @classmethod
+    def of(cls, model_dir: str | os.PathLike) -> BaseModel:
+        """The record of HF directory `model_dir` (reads a few MiB per weight file)."""
+        return cls(path=str(Path(model_dir).absolute()), fingerprint=base_model_fingerprint(model_dir))
+
+    def to_dict(self) -> dict[str, str]:
+        return {"path": self.path, "fingerprint": self.fingerprint}
+
+    @classmethod
+    def from_dict(cls, saved: Mapping[str, str]) -> BaseModel:
+        return cls(path=saved["path"], fingerprint=saved["fingerprint"])
+
+    def check(self, current: BaseModel, checkpoint: str | os.PathLike, option: str) -> None:
+        """ValueError unless `current` (the base this process rebuilt) is this base: the adapters of `checkpoint`
+        would load onto another model's weights, shapes permitting, and train or export a model nobody trained.
+        `option` is where the user points at another base directory."""
+        if current.fingerprint != self.fingerprint:
+            raise ValueError(
+                f"LoRA checkpoint {checkpoint} was trained on the base model at {self.path} (fingerprint "
+                f"{self.fingerprint[:12]}), but the base directory this run uses, {current.path}, holds another model "
+                f"(fingerprint {current.fingerprint[:12]}): point {option} at the base the run was trained from")
+
+
+def checked_base_model(saved: BaseModel, base_dir: str | os.PathLike | None, checkpoint: str | os.PathLike,
+                     option: str) -> BaseModel:
+    """The base model to rebuild the adapters of `checkpoint` on: `base_dir` if given, else the one it was trained
+    on; ValueError naming the path and `option` if the directory is gone, or if it holds another model."""
+    path = Path(base_dir if base_dir is not None else saved.path)
+    if not path.is_dir():
+        raise ValueError(f"the base model directory {path} of LoRA checkpoint {checkpoint} does not exist (the "
+                         f"checkpoint holds the adapters only): pass the directory of that base with {option}")
+    current = BaseModel.of(path)
+    saved.check(current, checkpoint, option)
+    return current
