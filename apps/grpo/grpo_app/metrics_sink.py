@@ -109,7 +109,9 @@ class MetricsSink:
         except wandb.errors.AuthenticationError:
             raise
         except (wandb.errors.CommError, wandb.errors.UnsupportedError) as exc:  # rewind is a W&B preview feature,
-            # not on every account or server
+            # not on every account or server; no server at all is start_wandb's error, not a second init_timeout
+            if isinstance(exc, wandb.errors.CommError) and "timed out" in str(exc).lower():
+                raise  # wandb has no type of its own for "unreachable": 'Timed out while retrying: ...'
             logger.warning("W&B did not rewind run %s to step %d (%s): steps %d..%d are not logged to W&B again, "
                            "which keeps their first values; metrics.jsonl and TensorBoard have the new ones", run_id,
                            self.resume_step - 1, exc, self.resume_step, self.last_dropped_step)

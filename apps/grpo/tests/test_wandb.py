@@ -132,16 +132,26 @@ def test_wandb_not_logged_in_is_a_config_error_naming_the_ways_out(tmp_path, mon
         sink.start_wandb(WandbConfig(enabled=True, mode="online"), RUN_CONFIG)
 
 
-def test_wandb_server_unreachable_is_one_config_error_naming_offline_mode(tmp_path, monkeypatch):
+@pytest.mark.parametrize("resume_step", [None, 3], ids=["new-run", "resume-with-rewind"])
+def test_wandb_server_unreachable_is_one_config_error_naming_offline_mode(tmp_path, monkeypatch, resume_step):
+    if resume_step is not None:  # a W&B run with steps 0..4: the resume asks for a rewind first
+        first = MetricsSink(tmp_path, tensorboard=False, resume_step=None)
+        first.start_wandb(OFFLINE, RUN_CONFIG)
+        log_steps(first, range(5))
+        first.close()
+    calls = []
+
     def no_network(**kwargs):  # what wandb.init raises online with a key but no route, after init_timeout
+        calls.append(kwargs)
         raise wandb.errors.CommError('Timed out while retrying: Post "https://api.wandb.ai/graphql": no such host\n'
                                      "Consider increasing the init_timeout setting:")
 
     monkeypatch.setattr(wandb, "init", no_network)
-    sink = MetricsSink(tmp_path, tensorboard=False, resume_step=None)
+    sink = MetricsSink(tmp_path, tensorboard=False, resume_step=resume_step)
     with pytest.raises(ConfigError, match=r"could not reach its server: Timed out.*no such host; .*mode=offline") as err:
         sink.start_wandb(WandbConfig(enabled=True, mode="online"), RUN_CONFIG)
     assert "\n" not in str(err.value)
+    assert len(calls) == 1  # each init waits init_timeout (90 s): a resume once, not again without the rewind
 
 
 def test_wandb_turned_on_at_a_resume_gets_the_earlier_steps_too(tmp_path):
