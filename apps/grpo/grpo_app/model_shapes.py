@@ -9,9 +9,6 @@ weights, point policy.model_name at a local Hugging Face directory instead.
 from __future__ import annotations
 
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +38,7 @@ def cached_shape_checkpoint(name: str, *, seed: int = 0) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from rl_core.checkpoint_io import atomic_dir
     from rl_core.testing.tiny_models import build_tokenizer, cache_path
 
     config = shape_config(name)
@@ -50,12 +48,7 @@ def cached_shape_checkpoint(name: str, *, seed: int = 0) -> Path:
     logger.info("building the %s-shaped checkpoint (HF init, std %.2f) at %s", name, config.initializer_range, path)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # HF's _init_weights: std 0.02
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp"))
-    try:
+    with atomic_dir(path) as tmp:  # readable by other users, as the tiny checkpoints
         model.save_pretrained(tmp)
         build_tokenizer().save_pretrained(tmp)
-        os.rename(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return path

@@ -181,15 +181,18 @@ def test_changed_settings_names_each_optimizer_setting_a_resume_changes():
 
 
 def test_atomic_writes_get_the_modes_of_plain_writes(tmp_path):
-    """A published directory and an atomically written file are readable as mkdir / open() under the umask would make
-    them (mkdtemp's 0700 and mkstemp's 0600 hid exported models and manifests from other users)."""
+    """A published directory and the files in it are readable as mkdir / open() under the umask would make them
+    (mkdtemp's 0700, mkstemp's 0600 and safetensors' 0600 hid exported models and manifests from other users)."""
     import os
     import stat
+
+    from safetensors.torch import save_file
 
     previous = os.umask(0o022)
     try:
         with atomic_dir(tmp_path / "model") as tmp:
             atomic_write_text(tmp / "config.json", "{}")
+            save_file({"w": torch.zeros(2)}, str(tmp / "model.safetensors"))
         os.mkdir(tmp_path / "plain_dir")
         (tmp_path / "plain_file").write_text("{}")
     finally:
@@ -200,3 +203,4 @@ def test_atomic_writes_get_the_modes_of_plain_writes(tmp_path):
 
     assert mode(tmp_path / "model") == mode(tmp_path / "plain_dir") == 0o755
     assert mode(tmp_path / "model/config.json") == mode(tmp_path / "plain_file") == 0o644
+    assert mode(tmp_path / "model/model.safetensors") == 0o644

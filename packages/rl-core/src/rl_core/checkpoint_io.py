@@ -79,7 +79,11 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 
 def _fsync_tree(root: Path) -> None:
+    """fsync every file under `root`, and give each the mode a plain open() would (safetensors >= 0.8 writes its
+    files 0600: model weights that a vLLM server run by another user could not read)."""
+    file_mode = 0o666 & ~umask()
     for file in sorted(p for p in root.rglob("*") if p.is_file()):
+        os.chmod(file, file_mode)
         with open(file, "rb") as f:
             os.fsync(f.fileno())
 
