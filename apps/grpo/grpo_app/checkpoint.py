@@ -31,6 +31,7 @@ from rl_core.checkpoint_io import (
     verify_manifest,
     write_manifest,
 )
+from rl_core.lora import base_model_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ STATE_FILE = "trainer_state.json"
 POLICY_DIR = "policy"  # the engine's checkpoint (hashed by the engine when it loads it)
 HF_DIR = "hf"  # the policy as a Hugging Face model directory (checkpointing.save_hf)
 ADAPTERS_KEY = "lora_cfg"  # an engine section's LoRA settings (run_identity)
+BASE_MODEL_KEY = "base_model"  # the fingerprint of the base a LoRA run's adapters apply to (run_identity)
 
 
 class DamagedOnLoad(Exception):
@@ -208,6 +210,11 @@ def run_identity(cfg: Any) -> dict[str, Any]:
         # alpha loads into the same tensors but rescales the trained update B @ A: the resumed model would not be
         # the checkpointed one. A change is allowed like any other (dropout is not recorded: it changes no output)
         identity[f"{key}.alpha"] = lora.alpha
+        # the checkpoint holds the adapters alone, to load onto these base weights: checked here, before Ray, where
+        # the engine's own check would come after the workers started and the run directory was rewritten (a
+        # tiny:<arch> name not resolved yet has nothing to read)
+        if Path(policy.model_name).is_dir():
+            identity[f"{key}.{BASE_MODEL_KEY}"] = base_model_fingerprint(policy.model_name)[:16]
     identity.update({f"{policy.engine_options_key}.{key}": value for key, value in sorted(policy.engine_options.items())
                      if key.endswith("parallel_size")})
     return identity
@@ -225,9 +232,9 @@ def _lora_settings(policy: Any) -> Any | None:
 
 
 def _never_loads(key: str) -> bool:
-    """An identity key whose change no override can resume across: the engine (its own checkpoint format) and the
-    LoRA adapters (which tensors there are)."""
-    return key == "policy.engine" or key.endswith(f".{ADAPTERS_KEY}")
+    """An identity key whose change no override can resume across: the engine (its own checkpoint format), the
+    LoRA adapters (which tensors there are) and the base model they were trained on."""
+    return key == "policy.engine" or key.endswith((f".{ADAPTERS_KEY}", f".{ADAPTERS_KEY}.{BASE_MODEL_KEY}"))
 
 
 def check_identity(resume_point: ResumePoint, identity: dict[str, Any], *, allow_change: bool) -> None:
@@ -254,8 +261,10 @@ def check_identity(resume_point: ResumePoint, identity: dict[str, Any], *, allow
     if unloadable:  # the load would fail inside the policy actors, after Ray and the model load
         raise CheckpointError(
             f"{resume_point.path} cannot load into this run ({'; '.join(unloadable)}): another engine's checkpoint "
-            "format, or other LoRA adapters (other tensor names and shapes), so not even "
-            "checkpointing.allow_config_change=true resumes it. Use the checkpoint's values, or start a new run "
+            "format, other LoRA adapters (other tensor names and shapes), or LoRA adapters trained on another base "
+            f"model (`{BASE_MODEL_KEY}`: a fingerprint of its weight files), so not even "
+            "checkpointing.allow_config_change=true resumes it. Use the checkpoint's values (point policy.model_name at "
+            "the base model the run was trained on), or start a new run "
             f"(another logger.log_dir) from it: `uv run apps/grpo export {resume_point.path}` writes it as a Hugging "
             "Face model (LoRA adapters merged) to set as policy.model_name")
     if allow_change:

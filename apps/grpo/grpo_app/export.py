@@ -115,7 +115,8 @@ def check_config_wrote(checkpoint: Path, cfg: GRPOConfig, keys: tuple[str, ...] 
                if key in saved and saved[key] != current[key]]
     if changed:
         raise ValueError(f"{checkpoint} was not written under this config ({'; '.join(changed)}): pass the config.yaml "
-                         "of the run that wrote it with --config FILE, or restore the run's own config.yaml")
+                         "of the run that wrote it with --config FILE, or restore the run's own config.yaml; where only "
+                         "the base model has moved, pass its directory with --base-model DIR")
 
 
 def export(plan: ExportPlan, cfg: GRPOConfig, base_model: str | None = None) -> None:

@@ -249,6 +249,26 @@ def test_resume_under_another_engine_or_lora_adapters_is_refused_even_when_chang
             check_identity(point, run_identity(config(*resumed)), allow_change=allow_change)
 
 
+def test_lora_adapters_onto_another_base_model_are_refused_before_ray_even_when_changes_are_allowed(tmp_path):
+    """A LoRA checkpoint holds the adapters alone: resumed onto another base (the same shapes, other weights) they
+    would train a model nobody trained. Refused by the fingerprint of the base's files, before Ray; the same base
+    at another path resumes (with allow_config_change, as any changed model_name)."""
+    import shutil
+
+    from rl_core.testing.tiny_models import cached_tiny_checkpoint
+
+    base, other = cached_tiny_checkpoint("qwen2"), cached_tiny_checkpoint("qwen2", seed=1)
+    moved = shutil.copytree(base, tmp_path / "moved")
+    point = ResumePoint(Path("c"), {"identity": run_identity(config(f"policy.model_name={base}", f"{LORA}.enabled=true"))})
+    for allow_change in (False, True):
+        with pytest.raises(CheckpointError, match=rf"cannot load into this run \({LORA}.base_model: checkpoint .*"
+                                                  r"point policy.model_name at the base model the run was trained on"):
+            check_identity(point, run_identity(config(f"policy.model_name={other}", f"{LORA}.enabled=true")),
+                           allow_change=allow_change)
+    check_identity(point, run_identity(config(f"policy.model_name={moved}", f"{LORA}.enabled=true")),
+                   allow_change=True)
+
+
 def test_lora_settings_that_load_resume():
     """dropout regularises the same tensors and changes no output; the order of the module patterns means nothing."""
     point = ResumePoint(Path("c"), {"identity": run_identity(
