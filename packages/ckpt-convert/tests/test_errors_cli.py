@@ -154,6 +154,17 @@ def test_mcore2hf_needs_config(tmp_path: Path) -> None:
         convert_mcore_to_hf(tmp_path / "ck", tmp_path / "out")
 
 
+def test_mcore2hf_of_a_dcp_checkpoint_without_conversion_metadata_names_the_file(tmp_path: Path) -> None:
+    """A DCP checkpoint that is not megatron's (the DTensor engine's `policy/`): the missing ckpt_convert.json is
+    named with what --mcore must be, not an errno."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model.lm_head.weight": torch.zeros(4, 2)}, checkpoint_id=str(tmp_path / "policy"))
+    with pytest.raises(ValueError, match=r"policy/ckpt_convert.json not found: --mcore must be a checkpoint written"):
+        convert_mcore_to_hf(tmp_path / "policy", tmp_path / "out")
+
+
 def test_cli_roundtrip_and_error(tiny_ckpts: dict, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["hf2mcore", "--hf", str(tiny_ckpts["qwen3"]), "--out", str(tmp_path / "m"), "--tp", "2",
                  "--dtype", "bf16"]) == 0

@@ -110,12 +110,7 @@ def load_model_config(ckpt_dir: str | os.PathLike, **kwargs: Any) -> tuple[Any, 
     """(HF config, MCoreModelConfig) of a converted checkpoint; kwargs go to `mcore_model_config` (tp...)."""
     from transformers import AutoConfig
 
-    path = Path(ckpt_dir) / CONFIG_NAME
-    if not path.is_file():
-        raise ValueError(f"{path} not found: --mcore must be a checkpoint written by `ckpt-convert hf2mcore` "
-                         "or MegatronEngine.save_checkpoint (or one with ckpt_convert.convert.save_model_config "
-                         "beside it)")
-    saved = read_json(path)
+    saved = _read_conversion_metadata(ckpt_dir)
     hf_dict = dict(saved["hf_config"])
     hf_architecture(hf_dict)
     hf_config = AutoConfig.for_model(hf_dict.pop("model_type"), **hf_dict)
@@ -123,10 +118,19 @@ def load_model_config(ckpt_dir: str | os.PathLike, **kwargs: Any) -> tuple[Any, 
     return hf_config, mcore_model_config(hf_config, **kwargs)
 
 
+def _read_conversion_metadata(ckpt_dir: str | os.PathLike) -> dict[str, Any]:
+    path = Path(ckpt_dir) / CONFIG_NAME
+    if not path.is_file():
+        raise ValueError(f"{path} not found: --mcore must be a checkpoint written by `ckpt-convert hf2mcore` "
+                         "or MegatronEngine.save_checkpoint (or one with ckpt_convert.convert.save_model_config "
+                         "beside it)")
+    return read_json(path)
+
+
 def saved_lora(ckpt_dir: str | os.PathLike) -> dict[str, Any] | None:
     """The `lora` section of a checkpoint's `ckpt_convert.json` (None: no adapters); ValueError for one written
     before LoRA checkpoints held the adapters alone (no base model recorded)."""
-    lora = read_json(Path(ckpt_dir) / CONFIG_NAME).get("lora")
+    lora = _read_conversion_metadata(ckpt_dir).get("lora")
     if lora is not None and "base_model" not in lora:
         raise ValueError(f"{Path(ckpt_dir) / CONFIG_NAME} records no base model for its LoRA adapters: {ckpt_dir} was "
                          "written before LoRA checkpoints held the adapters only; resume or convert it with the "
