@@ -126,6 +126,9 @@ def export(plan: ExportPlan, cfg: GRPOConfig, base_model: str | None = None) -> 
         cfg = _resolve_run_model(cfg)
         check_config_wrote(plan.checkpoint, cfg)
     else:  # another path than the recorded one: the engine's converter checks the weights (LoRA: the fingerprint)
+        if not Path(base_model).is_dir():
+            raise ConfigError(f"--base-model {base_model}: no such directory; pass the directory the run's base model "
+                              f"({cfg.policy.model_name}) is in now")
         cfg = resolve_model(dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, model_name=base_model)))
         check_config_wrote(plan.checkpoint, cfg, keys=("policy.engine",))
     policy = cfg.policy
