@@ -184,6 +184,17 @@ def test_console_script_help() -> None:
     assert all(flag in out for flag in ("--hf", "--out", "--tp", "--pp", "--ep", "--dtype"))
 
 
+def test_the_cli_prints_its_result_not_megatrons_import_noise(tiny_ckpts: dict, tmp_path: Path) -> None:
+    """megatron-core warns at import that it falls back without TE / apex, and torch's extension loader that it found
+    no CUDA; a conversion's stderr is its own log line alone (without `megatron_noise.silence()` it is 14 lines)."""
+    out = subprocess.run([sys.executable, "-m", "ckpt_convert.cli", "hf2mcore", "--hf", str(tiny_ckpts["llama"]),
+                          "--out", str(tmp_path / "m")], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [str(tmp_path / "m")]
+    assert [line for line in out.stderr.splitlines() if "Writing model shards" not in line] == [
+        line for line in out.stderr.splitlines() if line.startswith("INFO ckpt_convert.convert: hf2mcore wrote")], \
+        out.stderr
+
+
 class _Payload:
     """Unpickling this runs `Path(marker).touch()`: what a crafted DCP `.metadata` could do."""
 
