@@ -29,6 +29,9 @@ parts=("$@"); [ ${#parts[@]} -eq 0 ] && parts=(tests-engines tests-app logprobs 
                                               engines-lora generation grpo)
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
+# a hung test fails with every thread's stack where pytest-timeout is installed; the GPU kit does not pack it, and
+# pytest refuses an unknown --timeout (the part's own time limit still bounds the run)
+per_test_timeout=$($py -c "import pytest_timeout" 2>/dev/null && echo "--timeout 300")
 
 run() {  # run PART LIMIT_S COMMAND...: log to LOG_DIR/PART.log, the exit code at its end
   local part=$1 limit=$2; shift 2
@@ -43,9 +46,9 @@ run() {  # run PART LIMIT_S COMMAND...: log to LOG_DIR/PART.log, the exit code a
 
 for part in "${parts[@]}"; do
   case $part in
-    tests-engines) run tests-engines 560 $py -m pytest -m gpu -v -p no:cacheprovider -rfE --timeout 300 \
+    tests-engines) run tests-engines 560 $py -m pytest -m gpu -v -p no:cacheprovider -rfE $per_test_timeout \
             packages/rl-core packages/seqpack packages/ckpt-convert packages/engine-dtensor packages/engine-megatron ;;
-    tests-app) run tests-app 560 $py -m pytest -m gpu -v -p no:cacheprovider -rfE --timeout 300 packages/rollout \
+    tests-app) run tests-app 560 $py -m pytest -m gpu -v -p no:cacheprovider -rfE $per_test_timeout packages/rollout \
             apps tests ;;
     logprobs) run logprobs 300 $py bench/logprob_kernel.py --device cuda --tokens 8192 ;;
     engines-0.5b) run engines-0.5b 560 $py bench/gpu_engines.py --models 0.5b --profile 15 ;;

@@ -20,7 +20,10 @@ What `auto` means:
 from __future__ import annotations
 
 import copy
+import functools
 import logging
+import subprocess
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,12 +49,25 @@ class Hardware:
 
 
 def detect_hardware() -> Hardware:
+    """What the driver sees, without creating a CUDA context in it (`is_available` and `device_count` create none)."""
     import torch
 
     if not torch.cuda.is_available():
         return Hardware(cuda_available=False, bf16_supported=False, num_gpus=0)
-    return Hardware(cuda_available=True, bf16_supported=torch.cuda.is_bf16_supported(),
-                    num_gpus=torch.cuda.device_count())
+    return Hardware(cuda_available=True, bf16_supported=_native_bf16(), num_gpus=torch.cuda.device_count())
+
+
+@functools.cache
+def _native_bf16() -> bool:
+    """Whether GPU 0 computes in bf16 natively (compute capability >= 8.0; emulated bf16 on a V100 or T4 is slow).
+
+    Asked in a child process: `torch.cuda.is_bf16_supported` creates a CUDA context, which the driver would hold on
+    GPU 0 for the whole run (a few hundred MiB, out of what the policy and vLLM share on one GPU)."""
+    probe = "import torch; print(torch.cuda.is_bf16_supported(including_emulation=False))"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    if result.returncode != 0:
+        raise RuntimeError(f"probing the GPU for bf16 failed (python -c {probe!r}):\n{result.stderr[-2000:]}")
+    return result.stdout.strip().splitlines()[-1] == "True"
 
 
 def _section(data: dict, key: str) -> dict:

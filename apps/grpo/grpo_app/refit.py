@@ -111,7 +111,7 @@ class RefitGroup:
         timeout = datetime.timedelta(seconds=timeout_s)
         store = tcp_store(host, port, world_size, rank == 0, timeout)
         if device == "cuda":
-            self.group = dist.ProcessGroupNCCL(store, rank, world_size)
+            self.group = dist.ProcessGroupNCCL(store, rank, world_size, timeout)
         else:
             self.group = dist.ProcessGroupGloo(store, rank, world_size, timeout)
         self.rank, self.device = rank, torch.device(device)

@@ -176,3 +176,21 @@ def test_qwen2_5_0_5b_shape_has_the_published_layer_sizes():
     assert sum(p.numel() for p in model.parameters()) == 128 * h + layers * per_layer + h  # tied head
     with pytest.raises(ValueError, match="known shapes are"):
         shape_config("qwen9-1t")
+
+
+def test_detecting_the_hardware_creates_no_cuda_context_in_the_driver(monkeypatch):
+    """`torch.cuda.is_bf16_supported` creates a CUDA context (`_lazy_init`), which the driver would hold on GPU 0
+    for the whole run; the driver asks a child process instead (here, with no GPU, the child answers False)."""
+    import torch
+
+    from grpo_app import devices
+
+    def no_context(*args, **kwargs):
+        raise AssertionError("a CUDA context was created in the driver")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "_lazy_init", no_context)
+    devices._native_bf16.cache_clear()
+    assert devices.detect_hardware() == Hardware(cuda_available=True, bf16_supported=False, num_gpus=2)
+    devices._native_bf16.cache_clear()

@@ -121,3 +121,34 @@ def test_attention_softcap_is_applied(softcapped) -> None:
     assert max_abs_diff(got, refs[0]) <= 1e-5 < 1e-2 < max_abs_diff(refs[0], refs[1])  # the cap matters here
     with pytest.raises(ValueError, match=r"attn_implementation='sdpa_segments' ignores the model's attention logit"):
         resolve_attn_implementation("sdpa_segments", torch.device("cpu"), "float32", softcap=2.0)
+
+
+def _training_forward(rank: int, world: int, path: str, hf_dir: str) -> list[list[torch.Tensor]]:
+    """Per micro-batch, the per-sequence logprobs the loss sees in a training forward (model.train()); and the
+    engine's save_hf at `hf_dir`."""
+    engine = DTensorEngine(make_policy(path, train_micro_batch_size=4))
+    seen: list[list[torch.Tensor]] = []
+
+    def loss_fn(inputs):
+        counts = torch.bincount(inputs.seq_ids).tolist()
+        seen.append([lp.detach().clone() for lp in inputs.logprobs.split(counts)])
+        return inputs.logprobs.sum() * 0.0, {}
+
+    engine.forward_backward(random_token_batch(VOCAB, LENGTHS), loss_fn)
+    engine.save_hf(hf_dir)
+    return seen
+
+
+def test_a_checkpoints_dropout_is_off_in_training_and_kept_in_save_hf(tmp_path) -> None:
+    """A checkpoint with attention_dropout=0.5: the training forward's logprobs equal HF's eval-mode forward
+    (dropout on, they differ by far more than rounding), and the saved config.json still says 0.5."""
+    import json
+
+    from rl_core.testing.tiny_models import save_tiny_checkpoint
+
+    path = str(save_tiny_checkpoint(tmp_path / "dropout", "qwen2", seed=2, attention_dropout=0.5))
+    (seen,) = run_distributed(_training_forward, 1, args=(path, str(tmp_path / "hf")))
+    ref = hf_reference_logprobs(path, random_token_batch(VOCAB, LENGTHS).input_ids)
+    by_length = {len(lp): lp for micro in seen for lp in micro}  # the lengths differ: they name the sequences
+    assert max_abs_diff([by_length[len(lp)] for lp in ref], ref) <= 1e-5
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["attention_dropout"] == 0.5

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from engine_dtensor import lora
 from engine_dtensor.config import LoRAConfig
-from engine_dtensor.loading import build_meta_model, materialize
+from engine_dtensor.loading import build_meta_model, dropout_probabilities, materialize
 from engine_dtensor.parallelize import hf_name
 from rl_core import checkpoint_io
 from rl_core import lora as shared_lora
@@ -378,7 +378,10 @@ def _write_index_and_config(tmp: Path, weight_map: dict[str, str], model: nn.Mod
     else:
         index = {"metadata": {}, "weight_map": weight_map}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    from transformers import AutoConfig
+
     config = copy.deepcopy(model.config)  # the live model's own config stays as it is
+    config.update(dropout_probabilities(AutoConfig.from_pretrained(source_dir)))  # the engine trains without them
     declared = getattr(config, "dtype", None)
     if dtype is not None and (not isinstance(declared, torch.dtype) or dtype.itemsize < declared.itemsize):
         config.dtype = dtype

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -37,11 +38,27 @@ def attention_softcap(path: str) -> float | None:
     return getattr(AutoConfig.from_pretrained(str(check_hf_dir(path))), "attn_logit_softcapping", None)
 
 
+def dropout_probabilities(config: Any) -> dict[str, float]:
+    """The HF config's dropout probabilities above 0, by attribute (`attention_dropout`, Phi's `resid_pdrop`, ...)."""
+    return {name: value for name, value in vars(config).items()
+            if isinstance(value, float) and value > 0 and name.endswith(("dropout", "pdrop"))}
+
+
 def build_meta_model(path: str, attn_impl: str) -> nn.Module:
-    """The HF causal LM of checkpoint `path` on the meta device (shapes only), fp32 parameters."""
+    """The HF causal LM of checkpoint `path` on the meta device (shapes only), fp32 parameters, without dropout.
+
+    Dropout off, as the Megatron engine does: the loss's logprobs must be those of `compute_logprobs` and of the
+    sampler (a checkpoint's `attention_dropout` would also take packed attention off the varlen kernel on CUDA).
+    `save_hf` writes the checkpoint's own probabilities back into config.json."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(check_hf_dir(path)))
+    dropouts = dropout_probabilities(config)
+    if dropouts:
+        logger.info("%s: training without dropout (its config.json has %s)", path,
+                    ", ".join(f"{name}={value}" for name, value in dropouts.items()))
+        for name in dropouts:
+            setattr(config, name, 0.0)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_impl)
 
