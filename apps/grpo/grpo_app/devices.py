@@ -167,6 +167,11 @@ def resolve_external_launcher(kwargs: dict[str, Any], device: str, world_size: i
     killed one (the segments stay), fails with "create shm in SHMManager failed. errno: 17" (EEXIST).
     """
     kwargs.setdefault("distributed_executor_backend", "external_launcher")
+    if device == "cuda":
+        # Ray shows each policy rank its own GPU alone (CUDA_VISIBLE_DEVICES), and vLLM's custom all-reduce
+        # indexes that list by TP rank (custom_all_reduce.py `_can_p2p`): IndexError at start-up when TP > 1.
+        # NCCL all-reduces instead, as in verl's hybrid engine.
+        kwargs.setdefault("disable_custom_all_reduce", True)
     tp = generation_tp_size(kwargs)
     if tp < 1:  # before the modulo below; the backend's check_options would say the same, but later
         raise ConfigError(f"generation.backend_kwargs.tensor_parallel_size={tp} must be >= 1")

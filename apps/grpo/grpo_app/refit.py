@@ -72,6 +72,13 @@ def refit_path(cfg: GRPOConfig) -> RefitPath:
             "a policy rank on one GPU, and NCCL refuses two ranks on one device: set generation.in_policy_workers="
             "true (the generator lives in the policy process) or generation.colocated=false (generators on GPUs "
             "of their own)")
+    tp = int(gen.backend_kwargs.get("tensor_parallel_size", 1))
+    if tp > 1:  # vLLM would refuse it at start-up, in the actor: "World size (N) is larger than ... GPUs (1)"
+        raise ConfigError(
+            f"generation.backend_kwargs.tensor_parallel_size={tp} with generation.in_policy_workers=false on GPUs: "
+            "each generation worker gets one GPU, so its vLLM cannot shard over several; set generation."
+            "in_policy_workers=true (every tensor_parallel_size policy ranks hold one replica) or tensor_parallel_size"
+            "=1 with more generation.num_workers")
     return RefitPath.NCCL
 
 

@@ -56,7 +56,9 @@ def test_vllm_in_policy_ranks_uses_external_launcher():
                              "policy.train_global_batch_size=16"], hardware=EIGHT_GPUS)
     assert cfg.generation.in_policy_workers
     # no vLLM data_parallel_size: every rank (TP group) is an independent replica, not a lockstep DP rank
-    assert cfg.generation.backend_kwargs == {"dtype": "bfloat16", "distributed_executor_backend": "external_launcher"}
+    # Ray shows each rank one GPU: vLLM's custom all-reduce (indexing CUDA_VISIBLE_DEVICES by TP rank) is off
+    assert cfg.generation.backend_kwargs == {"dtype": "bfloat16", "distributed_executor_backend": "external_launcher",
+                                             "disable_custom_all_reduce": True}
 
 
 VLLM_IN_POLICY = ["generation.backend=vllm", "generation.in_policy_workers=true", "cluster.train_world_size=4",
@@ -113,6 +115,10 @@ BAD_LAYOUTS = [
     (ONE_GPU, ["generation.colocated=false"], r"needs 2 GPUs \(cluster.train_world_size=1 \+ generation.num_workers"),
     (EIGHT_GPUS, ["cluster.train_world_size=16"], "cluster.gpus_per_node x num_nodes = 8"),
     (EIGHT_GPUS, ["generation.colocated=false", "cluster.train_world_size=8"], "needs 9 GPUs"),
+    # a separate generation worker has one GPU: vLLM cannot shard over two
+    (EIGHT_GPUS, ["generation.backend=vllm", "generation.in_policy_workers=false", "generation.colocated=false",
+                  "cluster.train_world_size=4", "generation.backend_kwargs.tensor_parallel_size=2"],
+     "tensor_parallel_size=2 with generation.in_policy_workers=false on GPUs"),
     # contradictions
     (ONE_GPU, ["cluster.device=cpu", "cluster.gpus_per_node=1"], "cluster.device=cpu but cluster.gpus_per_node=1"),
     (NO_GPU, ["cluster.device=tpu"], r"cluster.device='tpu'; choose one of"),
