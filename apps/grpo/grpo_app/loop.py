@@ -237,8 +237,10 @@ def sample_groups(run: Run, step: int, timer: PhaseTimer):
         keep = torch.ones(len(new_c), dtype=torch.bool)
         if cfg.dynamic_sampling:
             keep = dynamic_sampling_keep(new_r, torch.tensor([c.prompt_index for c in new_c]))
-        for index, prompt in enumerate(new_prompts):
-            rows = [i for i, c in enumerate(new_c) if c.prompt_index == index]
+        rows_of: list[list[int]] = [[] for _ in new_prompts]  # before any renumbering below
+        for i, c in enumerate(new_c):
+            rows_of[c.prompt_index].append(i)
+        for prompt, rows in zip(new_prompts, rows_of):
             if not all(keep[i] for i in rows) and round_ < cfg.max_dynamic_sampling_rounds - 1:
                 continue
             for i in rows:

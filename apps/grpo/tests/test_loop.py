@@ -92,6 +92,27 @@ def test_dynamic_sampling_refills_with_groups_that_have_variance():
     assert rewards.tolist() == [0.0, 1.0] * 3
 
 
+def test_dynamic_sampling_keeps_each_completion_under_its_own_prompt():
+    """Round 0 keeps one group of four, round 1 all three of its new ones: 4 groups of 2, each completion (whose
+    first token is its prompt's) under its own prompt. The renumbering of kept groups once matched a later
+    prompt of the same round: 28 sequences for 16, samples trained under another prompt."""
+    cfg = load_config(None, ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=2",
+                             "policy.train_global_batch_size=8", "policy.model_name=unused",
+                             "grpo.dynamic_sampling=true", "grpo.max_dynamic_sampling_rounds=4"])
+    items = [PromptExample(prompt=str(i), prompt_token_ids=[10 + i, 11], metadata={}) for i in range(8)]
+    source = PromptSource(items, 0)
+    drawn = [items[i] for i in source._order]  # in the order the rounds draw them
+    for item, odd in zip(drawn, [0, 1, 0, 0, 1, 1, 1, 0]):  # the stub's groups have variance where odd
+        item.metadata["odd"] = odd
+    run = Run(cfg=cfg, workers=StubWorkers(), tokenizer=StubTokenizer(), train_prompts=source, val_prompts=[],
+              sink=None, checkpoints=None, loss_fn=None)
+    prompts, completions, rewards, results = sample_groups(run, 0, PhaseTimer())
+    assert prompts == [drawn[1], drawn[4], drawn[5], drawn[6]]
+    assert [c.prompt_index for c in completions] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert all(c.token_ids[0] == prompts[c.prompt_index].prompt_token_ids[0] for c in completions)
+    assert len(rewards) == len(results) == 8
+
+
 def test_without_dynamic_sampling_every_group_is_kept():
     prompts, completions, rewards, _ = sample_groups(make_run(), 0, PhaseTimer())
     assert len({p.prompt for p in prompts}) == 3  # three different prompts of the source
