@@ -8,6 +8,8 @@ colocation phases (grpo_app.colocation) around every call. The loop sees one obj
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
 import logging
 import os
 import re
@@ -145,6 +147,19 @@ def _split(items: Sequence[Any], parts: int) -> list[list[Any]]:
     return [list(items[i * size : (i + 1) * size]) for i in range(parts)]
 
 
+def replica_params(params: SamplingParams, first_prompt: int) -> SamplingParams:
+    """The sampling parameters of the replica whose share starts at prompt `first_prompt`: a seed of its own.
+
+    The torch backend keys its draws on (seed, local row, step), so replicas sharing the call's seed would draw the
+    same noise for their first rows, their second rows, ... (vLLM's request seeds hash the prompt, but a copy of a
+    prompt on each replica would still match). The first replica keeps the call's seed: one replica samples as
+    before. Deterministic, so a resumed run samples what the original did."""
+    if params.seed is None or first_prompt == 0:
+        return params
+    digest = hashlib.blake2b(f"{params.seed}:{first_prompt}".encode(), digest_size=8).digest()
+    return dataclasses.replace(params, seed=int.from_bytes(digest, "little") >> 2)  # 62 bits, as vLLM's seeds
+
+
 def generate_by_replica(replicas: list[list[Any]], prompts: list[list[int]],
                         params: SamplingParams) -> Iterator[list[Completion]]:
     """Split `prompts` over the replicas (lists of generator actors: a tensor-parallel group of policy ranks,
@@ -154,8 +169,9 @@ def generate_by_replica(replicas: list[list[Any]], prompts: list[list[int]],
     offsets, offset, followers = {}, 0, []
     for (leader, *others), part in zip(replicas, _split(prompts, len(replicas))):
         if part:
-            offsets[leader.generate.remote(part, params)] = offset
-            followers += [g.generate.remote(part, params) for g in others]  # same tokens as the leader's
+            own = replica_params(params, offset)
+            offsets[leader.generate.remote(part, own)] = offset
+            followers += [g.generate.remote(part, own) for g in others]  # same tokens as the leader's
         offset += len(part)
     pending = list(offsets)
     while pending:

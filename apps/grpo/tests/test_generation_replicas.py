@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import ray
+import torch
 
 from grpo_app.cluster import generate_by_replica, start_ray
 from grpo_app.config import load_config
@@ -14,7 +15,8 @@ from rl_core.interfaces import Completion, SamplingParams
 
 @ray.remote(num_cpus=0)
 class StandInRank:
-    """Answers each prompt with [rank, *prompt] and remembers what it was asked."""
+    """Answers each prompt with [rank, *prompt] and remembers what it was asked; seeded, it appends 4 draws of
+    one generator per call seeded with params.seed, as the torch backend's dense path samples."""
 
     def __init__(self, rank: int) -> None:
         self.rank, self.fail, self.asked = rank, False, []
@@ -26,6 +28,10 @@ class StandInRank:
         self.asked.append([list(p) for p in prompts])
         if self.fail:
             raise RuntimeError(f"rank {self.rank} failed")
+        if params.seed is not None:
+            draws = torch.randint(1000, (len(prompts), 4), generator=torch.Generator().manual_seed(params.seed))
+            return [Completion(prompt_index=i, token_ids=[self.rank, *p, *row], logprobs=[0.0] * (5 + len(p)),
+                               finish_reason="stop") for i, (p, row) in enumerate(zip(prompts, draws.tolist()))]
         return [Completion(prompt_index=i, token_ids=[self.rank, *p], logprobs=[0.0] * (1 + len(p)),
                            finish_reason="stop") for i, p in enumerate(prompts)]
 
@@ -67,3 +73,15 @@ def test_a_failing_follower_rank_fails_the_call(ranks):
     ray.get(ranks[1].reset.remote(fail=True))
     with pytest.raises(ray.exceptions.RayTaskError, match="rank 1 failed"):
         list(generate_by_replica([ranks[:2]], [[5], [6]], SamplingParams()))
+
+
+def test_replicas_draw_independently_and_tensor_parallel_ranks_alike(ranks):
+    """The same prompt on two replicas of one seeded call: different draws (with the call's seed on every replica,
+    identical ones: the torch backend keyed its noise on the local row); the first replica draws as a one-replica
+    call; and the same call again draws the same (a resume is exact)."""
+    params = SamplingParams(seed=5)
+    split = [c.token_ids for part in generate_by_replica([ranks[:2], ranks[2:]], [[7], [7]], params) for c in part]
+    again = [c.token_ids for part in generate_by_replica([ranks[:2], ranks[2:]], [[7], [7]], params) for c in part]
+    alone = [c.token_ids for part in generate_by_replica([[ranks[0]]], [[7]], params) for c in part]
+    first, second = sorted(split)  # rank 0's answer, then rank 2's
+    assert first[2:] != second[2:] and sorted(again) == sorted(split) and alone == [first]
