@@ -394,7 +394,22 @@ def load_yaml(path: str | Path, _seen: tuple[Path, ...] = (), key_lines: dict[st
         merged = _merge(merged, load_yaml(parent_path, (*_seen, path), key_lines))
     if key_lines is not None:
         _record_key_lines(node, str(path), "", key_lines)
-    return _merge(merged, data)
+    return _merge(_without_replaced_env_kwargs(merged, data, str(path)), data)
+
+
+def _without_replaced_env_kwargs(parent: dict, child: dict, child_path: str) -> dict:
+    """`parent` without its env.kwargs / env.prompt_kwargs when `child` names another env.name: they belong to the
+    parent's environment (cpu_default's repeat_char answer_len would break `function` or `math`), and YAML has no
+    way to delete an inherited key. The file's own env.kwargs apply alone; as `env.name=X` on the command line."""
+    parent_env, child_env = parent.get("env"), child.get("env")
+    if (not isinstance(parent_env, dict) or not isinstance(child_env, dict) or "name" not in child_env
+            or child_env["name"] == parent_env.get("name")):
+        return parent
+    dropped = [section for section in ("kwargs", "prompt_kwargs") if parent_env.get(section)]
+    if dropped:
+        logger.info("%s: env.name=%s replaces %s: not inheriting %s", child_path, child_env["name"],
+                    parent_env.get("name"), ", ".join(f"env.{section} {parent_env[section]}" for section in dropped))
+    return {**parent, "env": {k: v for k, v in parent_env.items() if k not in dropped}}
 
 
 def _record_key_lines(node: yaml.Node, path: str, prefix: str, key_lines: dict[str, str]) -> None:
@@ -436,7 +451,7 @@ def apply_override(data: dict, assignment: str) -> None:
 
 
 def parse_value(raw: str, key: str = "value") -> Any:
-    """A command-line value as YAML (`3e-4` a number, as in the config files)."""
+    """A command-line value as YAML (`3e-4` a number, as in the config files; unquoted `inf` and `nan` too)."""
     if not raw.strip():
         return None
     try:
@@ -446,7 +461,7 @@ def parse_value(raw: str, key: str = "value") -> Any:
     except yaml.YAMLError as exc:
         raise ConfigError(f"override {key}={raw} is {_yaml_error(exc, None)}; close its brackets and quotes, or "
                           f"quote the whole value as a YAML string ({key}='\"...\"')") from None
-    if isinstance(value, str):
+    if isinstance(value, str) and raw.strip()[0] not in "\"'":  # a quoted value stays a string, as in a file
         try:
             return float(value) if any(c in value for c in ".eE") else int(value)
         except ValueError:

@@ -208,6 +208,14 @@ def test_exponent_without_a_dot_is_a_number_in_files_and_overrides(tmp_path):
     assert load_config(path, ["logger.log_dir=e5"]).logger.log_dir == "e5"  # still a string
 
 
+def test_a_quoted_override_stays_a_string(tmp_path):
+    """As the README says (quote a value YAML would read otherwise), and as in a file: "42" and '1e5' are strings
+    (they became the numbers 42 and 100000.0, which a str key refused)."""
+    cfg = load_config(None, ['env.system_prompt="42"', "env.use_chat_template=true", "logger.log_dir='1e5'",
+                             "grpo.max_steps=7"])
+    assert cfg.env.system_prompt == "42" and cfg.logger.log_dir == "1e5" and cfg.grpo.max_steps == 7
+
+
 def test_yaml_syntax_error_is_one_line_naming_file_line_and_column(tmp_path):
     tab = write(tmp_path / "tab.yaml", "policy:\n  model_name: m\ngrpo:\n\tmax_steps: 5\n")
     with pytest.raises(ConfigError) as err:

@@ -116,6 +116,8 @@ def test_data_file_of_another_format_names_the_key_and_the_formats(caplog, tmp_p
     ("generation.top_p=0", "generation.top_p=0.0 must be in (0, 1]"),
     ("generation.top_k=-2", "generation.top_k=-2 must be >= 0"),
     ("policy.optimizer.name=Adamm", "policy.optimizer.name='Adamm' is not a torch.optim optimizer; did you mean 'Adam'?"),
+    ("policy.optimizer.name=Adamw", "did you mean 'AdamW'?"),  # case ignored (it suggested 'Adam')
+    ("loss.eps_low=1.5", r"loss.eps_low=1.5 puts the lower clip bound 1 - eps_low below 0"),
     ("policy.optimizer.kwargs.lrr=1e-3", "unknown config key 'policy.optimizer.kwargs.lrr'; did you mean "
                                          "'policy.optimizer.kwargs.lr'?"),
     ("policy.optimizer.kwargs.lr=-1", "policy.optimizer.kwargs.lr=-1 must be a finite number >= 0"),
@@ -229,6 +231,25 @@ def test_env_name_on_the_command_line_drops_the_files_env_kwargs(caplog, tmp_pat
     code, text = run_main(caplog, "env.name=math", f"env.train_data={data}", f"env.val_data={data}",
                           "env.kwargs.require_boxd=true")
     assert code == 2 and "did you mean 'env.kwargs.require_boxed'?" in text
+
+
+def test_a_recipe_naming_another_env_does_not_inherit_its_defaults_env_kwargs(tmp_path, monkeypatch):
+    """`defaults: cpu_default` with `env.name: function`: the file's own env.kwargs apply, not cpu_default's
+    repeat_char answer_len (which FunctionEnvironment refused: 'unknown config key env.kwargs.answer_len'); a file
+    that keeps the environment still inherits them; the command line still overrides the file."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    (tmp_path / "recipe_reward.py").write_text("def score(prompt, completion, **kw):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"defaults: cpu_default\nenv:\n  name: function\n  kwargs: {{fn: 'recipe_reward:score'}}"
+                      f"\n  train_data: {data}\n  val_data: {data}\n")
+    cfg = preflight(load_config(recipe, []))
+    assert cfg.env.name == "function" and cfg.env.kwargs == {"fn": "recipe_reward:score"}
+    same = tmp_path / "same.yaml"
+    same.write_text("defaults: cpu_default\nenv:\n  name: repeat_char\n")
+    assert load_config(same, []).env.kwargs == load_config(None, []).env.kwargs != {}
+    assert load_config(recipe, ["env.kwargs.timeout_s=5"]).env.kwargs["timeout_s"] == 5
 
 
 @pytest.mark.parametrize("overrides, message", [

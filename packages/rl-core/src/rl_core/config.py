@@ -43,13 +43,15 @@ class ConfigError(ValueError):
 
 
 def closest_key(key: str, candidates: list[str]) -> str | None:
-    match = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
-    return match[0] if match else None
+    """The candidate closest to `key`, ignoring case (`Adamw` -> `AdamW`), or None."""
+    by_lower = {c.lower(): c for c in candidates}
+    match = difflib.get_close_matches(key.lower(), list(by_lower), n=1, cutoff=0.5)
+    return by_lower[match[0]] if match else None
 
 
 def unknown_key_error(path: str, key: str, candidates: list[str]) -> ConfigError:
     near = closest_key(key, candidates)
-    hint = f"; did you mean '{_join(path, near)}'?" if near else ""
+    hint = f"; did you mean '{_join(path, near)}'?" if near else "."
     return ConfigError(f"unknown config key '{_join(path, key)}'{hint} Valid keys here: {sorted(candidates)}")
 
 

@@ -188,6 +188,9 @@ class LossConfig:
             raise ConfigError(f"loss.dual_clip must be > 1 (e.g. 3.0) or null; got {self.dual_clip}")
         if self.eps_low < 0 or self.eps_high < 0:
             raise ConfigError(f"loss.eps_low/eps_high must be >= 0; got {self.eps_low}, {self.eps_high}")
+        if self.eps_low > 1:
+            raise ConfigError(f"loss.eps_low={self.eps_low} puts the lower clip bound 1 - eps_low below 0, where no ratio "
+                              "is: use eps_low <= 1 (1 turns the lower clip off)")
         if self.kl_coef < 0:
             raise ConfigError(f"loss.kl_coef must be >= 0 (a negative one rewards leaving the reference); "
                               f"got {self.kl_coef}")
