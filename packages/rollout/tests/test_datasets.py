@@ -77,6 +77,9 @@ def test_malformed_jsonl_line_names_file_and_line(tmp_path, tokenizer):
     path.write_text('{"prompt": "a"}\n[1, 2]\n')
     with pytest.raises(ValueError, match=r"bad\.jsonl:2: expected a JSON object"):
         load_prompt_dataset(path, tokenizer)
+    path.write_text('{"prompt": "a"}\n{"prompt": "  "}\n')  # it trained on BOS alone, without a word
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: field 'prompt' is an empty string '  '; every prompt needs text"):
+        load_prompt_dataset(path, tokenizer)
     # valid JSON, one object over several lines (json.dump(obj, indent=2)): not "line 1: malformed JSON"
     path = tmp_path / "wrapped.json"
     path.write_text(json.dumps({"data": ROWS}, indent=2))

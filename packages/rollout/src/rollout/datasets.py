@@ -113,8 +113,8 @@ def _prompt_key_hint(record: Mapping[str, Any]) -> str:
 
 def prompt_problem(prompt: Any) -> str | None:
     """Why `prompt` is neither a string nor a list of chat messages {"role", "content"}; None if it is one."""
-    if isinstance(prompt, str):
-        return None
+    if isinstance(prompt, str):  # empty, the model would be sampled from BOS alone: a data bug
+        return None if prompt.strip() else f"is an empty string {prompt!r}; every prompt needs text"
     if isinstance(prompt, list) and prompt and all(
             isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in prompt):
