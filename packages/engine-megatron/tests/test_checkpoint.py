@@ -176,6 +176,27 @@ def test_a_node_local_conversion_cache_is_filled_on_every_node(tiny_ckpt, tmp_pa
         (True, True), (True, True)]
 
 
+def test_new_weights_with_old_file_times_are_converted_again(tmp_path: Path) -> None:
+    """Weights of another seed copied over the model's with their older mtime (`cp -p`): another cache entry (the
+    newest mtime alone kept the old one, and the engine trained the previous weights); an untouched directory
+    keeps its entry."""
+    import os
+    import shutil
+
+    from engine_megatron.model import conversion_cache_dir
+    from rl_core.testing.tiny_models import save_tiny_checkpoint
+
+    model = save_tiny_checkpoint(tmp_path / "model", "qwen2", seed=1)
+    other = save_tiny_checkpoint(tmp_path / "other", "qwen2", seed=2)
+    before = conversion_cache_dir(str(model), str(tmp_path), 1, 1, 1, "float32")
+    assert conversion_cache_dir(str(model), str(tmp_path), 1, 1, 1, "float32") == before
+    weights = model / "model.safetensors"
+    old_time = min(p.stat().st_mtime_ns for p in model.iterdir())
+    shutil.copyfile(other / "model.safetensors", weights)
+    os.utime(weights, ns=(old_time, old_time))
+    assert conversion_cache_dir(str(model), str(tmp_path), 1, 1, 1, "float32") != before
+
+
 CHANGED_OPTIMIZER = {"kwargs": {"lr": 1e-2, "weight_decay": 0.1, "betas": [0.8, 0.9], "eps": 1e-6}}
 
 

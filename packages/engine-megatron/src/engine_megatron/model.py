@@ -173,10 +173,17 @@ _CONVERT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp32"}
 
 
 def conversion_cache_dir(hf_dir: str, cache_root: str | None, tp: int, pp: int, ep: int, dtype: str) -> Path:
-    """Where the converted checkpoint of `hf_dir` lives: keyed by path, newest mtime, dtype and layout."""
+    """Where the converted checkpoint of `hf_dir` lives: keyed by path, config.json, the weights' fingerprint
+    (`rl_core.lora.base_model_fingerprint`: names, sizes, headers, first and last MiB), newest mtime, dtype and
+    layout. The mtime alone missed new weights copied in with their old times (`cp -p`, `rsync -a`): the engine
+    trained the previous conversion while the generator sampled the new weights."""
+    from rl_core.lora import base_model_fingerprint
+
     src = Path(hf_dir).resolve()
     mtime = max((p.stat().st_mtime_ns for p in src.iterdir() if p.is_file()), default=0)
-    key = hashlib.sha256(f"{src}|{mtime}|{dtype}|tp{tp}|pp{pp}|ep{ep}".encode()).hexdigest()[:16]
+    config = hashlib.sha256((src / "config.json").read_bytes()).hexdigest()
+    key = hashlib.sha256(f"{src}|{config}|{base_model_fingerprint(src)}|{mtime}|{dtype}|tp{tp}|pp{pp}|ep{ep}"
+                         .encode()).hexdigest()[:16]
     root = Path(cache_root or os.environ.get("RL_STACK_CACHE", Path.home() / ".cache" / "rl-stack")) / "mcore-ckpt"
     return root / f"{src.name}-{key}"
 
