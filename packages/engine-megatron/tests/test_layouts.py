@@ -224,3 +224,42 @@ def test_bf16_tracks_fp32(tiny_ckpt) -> None:
     assert {t.dtype for t in run[0]["weights"].values()} == {torch.bfloat16}
     logger.info("qwen2 bf16 TP=2 vs fp32: logprobs %.2e, grad norm %.4f vs %.4f", logprobs, m["grad_norm"],
                 m_ref["grad_norm"])
+
+
+def _train_on_pad_tokens(rank: int, world_size: int, ckpt: str, megatron_cfg: dict | None) -> dict | None:
+    """One step on a batch whose sequences hold the pad token (id 0 in the tiny models: a sampler may emit it);
+    megatron_cfg None: the DTensor engine (HF's modules). The exported weights (rank 0)."""
+    batch = global_batch(0)
+    ids = [t.clone() for t in batch.input_ids]
+    for t in ids:
+        t[len(t) // 2] = 0  # inside the completion: trained on
+    batch = batch.with_fields(input_ids=ids)
+    if megatron_cfg is None:
+        from engine_dtensor.engine import DTensorEngine
+
+        policy = make_policy(ckpt)
+        policy.megatron_cfg, policy.dtensor_cfg = {"enabled": False}, {"enabled": True}
+        engine = DTensorEngine(policy)
+    else:
+        from engine_megatron.engine import MegatronEngine
+
+        engine = MegatronEngine(make_policy(ckpt, megatron_cfg))
+    engine.train_batch(batch.select(dp_indices(len(batch), engine.dp_rank, engine.dp_size)), ClippedPGLoss(LOSS))
+    weights = {name: tensor.clone() for name, tensor in engine.export_hf_weights()}
+    return weights if rank == 0 else None
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size, megatron_cfg", [
+    (1, {}), (2, {"tensor_model_parallel_size": 2, "sequence_parallel": True})])
+def test_the_pad_tokens_embedding_row_trains_as_in_hf(tiny_ckpt, world_size: int, megatron_cfg: dict) -> None:
+    """HF's embedding (padding_idx=pad_token_id) gives the pad row no gradient from its lookups; megatron's has no
+    padding_idx, and moved it by ~1e-3 in one step where HF did not. Against the DTensor engine (HF's modules):
+    the pad row, and every weight, as in the layout tests; under TP=2 + SP too (the embedding reduce-scatters)."""
+    ckpt = tiny_ckpt("qwen2")
+    (ref,) = [w for w in run_distributed(_train_on_pad_tokens, world_size=1, args=(ckpt, None)) if w]
+    (got,) = [w for w in run_distributed(_train_on_pad_tokens, world_size=world_size, args=(ckpt, megatron_cfg)) if w]
+    row = "model.embed_tokens.weight"
+    assert float((got[row][0] - ref[row][0]).abs().max()) <= 1e-6
+    rel, absolute = weight_diffs(got, ref)
+    assert rel <= 1e-6 and absolute <= 1e-5, (rel, absolute)

@@ -54,6 +54,7 @@ class MCoreModelConfig:
     share_embeddings_and_output_weights: bool = False
     position_embedding_type: str = "rope"
     arch: str = "LlamaForCausalLM"
+    pad_token_id: int | None = None  # HF's embedding (padding_idx) gives its row no gradient from the lookup
     extra: dict = field(default_factory=dict)
 
     @property
@@ -220,4 +221,4 @@ def mcore_model_config(hf_config: Any, *, tp: int = 1, pp: int = 1, ep: int = 1,
         vocab_size=vocab_size, hf_vocab_size=hf.vocab_size,
         max_sequence_length=hf.max_position_embeddings,
         share_embeddings_and_output_weights=bool(getattr(hf, "tie_word_embeddings", False)),
-        position_embedding_type="rope", arch=arch, **_rope_fields(hf))
+        position_embedding_type="rope", arch=arch, pad_token_id=getattr(hf, "pad_token_id", None), **_rope_fields(hf))

@@ -17,7 +17,7 @@ import logging
 import os
 import re
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -116,11 +116,32 @@ def build_gpt_model(cfg: MCoreModelConfig, *, pre_process: bool | None = None, p
             base, factor=cfg.rope_scaling_factor, low_freq_factor=cfg.rope_low_freq_factor,
             high_freq_factor=cfg.rope_high_freq_factor,
             original_max_position_embeddings=cfg.rope_original_max_position_embeddings)
+    if pre_process and cfg.pad_token_id is not None and 0 <= cfg.pad_token_id < cfg.hf_vocab_size:
+        model.embedding.word_embeddings.register_forward_hook(_no_lookup_gradient_for(cfg.pad_token_id))
     if lora_cfg is not None:
         from engine_megatron.lora_layers import apply_lora
 
         apply_lora(model, cfg, lora_cfg)
     return model
+
+
+def _no_lookup_gradient_for(token_id: int) -> Callable[..., Tensor]:
+    """A forward hook on megatron's VocabParallelEmbedding: where the input is `token_id`, the output is detached,
+    so its row gets no gradient from the lookup, as HF's `nn.Embedding(padding_idx=pad_token_id)` (llama, qwen2/3,
+    mistral); a tied output layer still trains it. Megatron's embedding has no padding_idx: a sampled pad token
+    trained the row, and the two engines drifted apart.
+
+    The output is reduced over TP ranks ([b, s, h]) or, with sequence parallelism, reduce-scattered to this rank's
+    chunk of the sequence ([s/tp, b, h]): detaching each rank's own pad positions zeroes them all in the backward."""
+    def hook(module: Any, args: tuple[Tensor, ...], output: Tensor) -> Tensor:
+        is_token = args[0] == token_id  # [b, s]
+        if module.reduce_scatter_embeddings:
+            chunk = output.shape[0]
+            rank = module.tp_group.rank()
+            is_token = is_token.transpose(0, 1)[rank * chunk : (rank + 1) * chunk]
+        return torch.where(is_token[..., None], output.detach(), output)
+
+    return hook
 
 
 def build_ddp_model(model_cfg: Any, ddp_overrides: dict[str, Any], ranks: ParallelRanks,
