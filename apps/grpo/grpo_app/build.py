@@ -49,7 +49,25 @@ def load_prompts(cfg: GRPOConfig, tokenizer: Any, split: str) -> list[PromptExam
         examples = build_examples(records, tokenizer, **render)
     source = f"{split} ({path or env.name})"
     check_prompt_vocab(examples, model_vocab_size(cfg.policy.model_name), source)
-    return drop_long_prompts(examples, *cfg.prompt_token_limit_and_keys, source)
+    return drop_long_prompts(examples, *prompt_token_limit(cfg), source)
+
+
+def prompt_token_limit(cfg: GRPOConfig) -> tuple[int | None, str]:
+    """`cfg.prompt_token_limit_and_keys`, and at most the model's context (config.json `max_position_embeddings`)
+    less max_new_tokens unless env.max_prompt_tokens is set: a longer sequence is past the positions the model
+    was trained on (vLLM refuses it; the torch backend and the engines ran it without a word)."""
+    limit, keys = cfg.prompt_token_limit_and_keys
+    context = _model_config(cfg.policy.model_name).get("max_position_embeddings")
+    new = cfg.generation.max_new_tokens
+    if cfg.env.max_prompt_tokens is None and isinstance(context, int) and (limit is None or context - new < limit):
+        limit = context - new
+        keys = (f"policy.model_name's max_position_embeddings={context} less generation.max_new_tokens={new}; "
+                "env.max_prompt_tokens overrides it")
+    return limit, keys
+
+
+def _model_config(model_dir: str) -> dict[str, Any]:
+    return json.loads((Path(model_dir) / "config.json").read_text())
 
 
 def check_prompt_fields(examples: list[PromptExample], env_name: str, source: str) -> None:
@@ -68,8 +86,7 @@ def check_prompt_fields(examples: list[PromptExample], env_name: str, source: st
 
 def model_vocab_size(model_dir: str) -> int | None:
     """`vocab_size` of the checkpoint's config.json (None where it has none at the top level)."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    return config.get("vocab_size")
+    return _model_config(model_dir).get("vocab_size")
 
 
 def check_prompt_vocab(examples: list[PromptExample], vocab_size: int | None, source: str) -> None:

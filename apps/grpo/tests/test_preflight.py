@@ -427,6 +427,26 @@ def test_prompt_limit_follows_max_model_len_and_an_empty_set_fails_before_ray(ca
         4, "generation.backend_kwargs.max_model_len=10 less generation.max_new_tokens=6")
 
 
+def test_prompts_past_the_models_context_are_dropped_unless_env_max_prompt_tokens_says_otherwise(tmp_path, caplog):
+    """A prompt + max_new_tokens longer than config.json's max_position_embeddings ran without a word (vLLM would
+    refuse it): dropped with a warning naming the model's context; an explicit env.max_prompt_tokens wins."""
+    from grpo_app.build import load_prompts
+    from rl_core.testing.tiny_models import build_tokenizer, save_tiny_checkpoint
+
+    model = save_tiny_checkpoint(tmp_path / "model", "qwen2", max_position_embeddings=16)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "a" * n}) + "\n" for n in (4, 9, 10, 30)))
+    base = [f"policy.model_name={model}", "generation.max_new_tokens=6", f"env.train_data={data}",
+            "policy.sequence_packing.enabled=false"]
+    with caplog.at_level(logging.WARNING, logger="grpo_app.build"):
+        kept = load_prompts(load_config(None, base), build_tokenizer(), "train")
+    assert [len(e.prompt) for e in kept] == [4, 9]  # + BOS: 5 and 10 tokens; 11 and 31 dropped
+    assert ("the limit is policy.model_name's max_position_embeddings=16 less generation.max_new_tokens=6; "
+            "env.max_prompt_tokens overrides it") in caplog.text
+    kept = load_prompts(load_config(None, [*base, "env.max_prompt_tokens=40"]), build_tokenizer(), "train")
+    assert len(kept) == 4
+
+
 def test_prompt_limit_leaves_room_for_a_full_completion_in_one_micro_batch(caplog):
     """A prompt + max_new_tokens longer than a token budget fits no micro-batch (seqpack refuses it): the run
     stopped at the step that sampled it. The limit is the smallest budget (train and logprob; dynamic
