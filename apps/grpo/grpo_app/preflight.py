@@ -11,6 +11,7 @@ Every failure is a ConfigError naming the key or file and the fix; main() turns 
 
 from __future__ import annotations
 
+import ast
 import collections.abc
 import dataclasses
 import importlib.util
@@ -420,9 +421,44 @@ def check_reward_function(cfg: GRPOConfig) -> None:
                           "that holds it")
     if module == top and spec.origin and spec.origin.endswith(".py"):  # compiled, not run: a typo fails here, not
         try:                                                           # in the reward workers once Ray is up
-            compile(Path(spec.origin).read_bytes(), spec.origin, "exec")
+            tree = compile(Path(spec.origin).read_bytes(), spec.origin, "exec", ast.PyCF_ONLY_AST)
         except SyntaxError as exc:
             raise ConfigError(f"env.kwargs.fn={fn!r}: {exc.filename}:{exc.lineno}: SyntaxError: {exc.msg}") from None
+        defined = top_level_names(tree)
+        if defined is not None and attr not in defined:
+            near = closest_key(attr, sorted(defined))
+            raise ConfigError(f"env.kwargs.fn={fn!r}: {spec.origin} defines no {attr!r} at its top level"
+                              + (f"; did you mean env.kwargs.fn={module}:{near}?" if near else ""))
+
+
+def top_level_names(tree: ast.Module) -> set[str] | None:
+    """The names a module's top level binds (def, class, assignment, import), read from its syntax tree; None where
+    it may bind names the tree does not show (`from x import *`, `globals()`, a module `__getattr__`)."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and any(alias.name == "*" for alias in node.names):
+            return None
+        if isinstance(node, ast.Name) and node.id == "globals":
+            return None
+    for node in tree.body:  # the top level, and what its if / try blocks bind
+        stack = [node]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names.add(item.name)
+            elif isinstance(item, ast.Import | ast.ImportFrom):
+                names.update((alias.asname or alias.name).split(".")[0] for alias in item.names)
+            elif isinstance(item, ast.Assign | ast.AnnAssign | ast.AugAssign | ast.For | ast.With):
+                targets = (item.targets if isinstance(item, ast.Assign) else
+                           [item.target] if not isinstance(item, ast.With) else
+                           [w.optional_vars for w in item.items if w.optional_vars is not None])
+                names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+            if isinstance(item, ast.If | ast.Try | ast.For | ast.With | ast.While):
+                stack.extend(child for field in ("body", "orelse", "finalbody", "handlers")
+                             for child in getattr(item, field, []))
+            if isinstance(item, ast.ExceptHandler):
+                stack.extend(item.body)
+    return None if "__getattr__" in names else names
 
 
 def preflight(cfg: GRPOConfig, *, training: bool = True) -> GRPOConfig:

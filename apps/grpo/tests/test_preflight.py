@@ -566,6 +566,28 @@ def test_reward_module_with_a_syntax_error_fails_before_ray(caplog, tmp_path, mo
     assert code == 2 and f"env.kwargs.fn='typo_reward:score': {tmp_path / 'typo_reward.py'}:2: SyntaxError: " in text
 
 
+def test_a_reward_function_name_the_module_does_not_define_fails_before_ray(caplog, tmp_path, monkeypatch):
+    """Read from the module's syntax tree, not run: a misspelled name failed ~35 s in, in the reward worker's start.
+    Names bound by import, assignment or inside a top-level `if` / `try` count; a star import skips the check."""
+    from grpo_app.preflight import top_level_names
+
+    (tmp_path / "named_reward.py").write_text("import math\ntry:\n    from os import sep as alias\nexcept ImportError:"
+                                              "\n    pass\nif True:\n    def score(**kw):\n        return 1.0\n"
+                                              "other = score\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"prompt": "ab:1"}\n')
+    code, text = run_main(caplog, "env.name=function", "env.kwargs.fn=named_reward:scor", f"env.train_data={train}",
+                          "grpo.val_every=0")
+    assert code == 2 and (f"env.kwargs.fn='named_reward:scor': {tmp_path / 'named_reward.py'} defines no 'scor' at "
+                          "its top level; did you mean env.kwargs.fn=named_reward:score?") in text, text
+    import ast
+
+    tree = ast.parse((tmp_path / "named_reward.py").read_text())
+    assert top_level_names(tree) == {"math", "alias", "score", "other"}
+    assert top_level_names(ast.parse("from helpers import *\n")) is None
+
+
 def test_tokenizer_larger_than_the_model_vocabulary_fails_before_ray(caplog, tmp_path):
     """The char tokenizer has ids up to ~100; a model of 64 embeddings cannot take most prompts."""
     from rl_core.testing.tiny_models import save_tiny_checkpoint
