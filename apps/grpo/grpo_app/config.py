@@ -356,6 +356,8 @@ def load_yaml(path: str | Path, _seen: tuple[Path, ...] = (), key_lines: dict[st
     """Read a YAML config, resolving `defaults: other.yaml` (relative to the file) recursively; `key_lines`, if
     given, receives the `file:line` that sets each dotted key (the last file to set it)."""
     path = Path(path).resolve()
+    if path.is_dir() and (path / "config.yaml").is_file():  # a run directory: its resolved config is inside
+        raise ConfigError(f"--config {path} is a directory; a run's resolved config is --config {path / 'config.yaml'}")
     if not path.is_file():
         shipped = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
         near = closest_key(path.stem, shipped)

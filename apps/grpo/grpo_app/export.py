@@ -64,6 +64,10 @@ def plan_export(path: Path, config: str | None, out: str | None) -> tuple[Export
     is_checkpoint = (path / STATE_FILE).is_file() or (path / POLICY_DIR).is_dir()
     config_file = Path(config) if config else (path.parent.parent if is_checkpoint else path) / CONFIG_FILE
     if not config_file.is_file():
+        inside = next((p for p in (path, *path.parents) if (p / CONFIG_FILE).is_file()), None)
+        if config is None and inside is not None:  # checkpoints/ or step_N/policy of a run: name what to pass
+            raise ValueError(f"{path} is neither a run directory nor one of its checkpoints/step_N: pass {inside} "
+                             f"(its newest intact checkpoint) or {inside}/checkpoints/step_N")
         raise ValueError(f"{config_file} is missing: pass the run's resolved config with --config FILE (the "
                          "config.yaml a run writes into its logger.log_dir)")
     cfg = load_config(config_file)

@@ -208,6 +208,13 @@ def test_exponent_without_a_dot_is_a_number_in_files_and_overrides(tmp_path):
     assert load_config(path, ["logger.log_dir=e5"]).logger.log_dir == "e5"  # still a string
 
 
+def test_config_naming_a_run_directory_points_at_its_config_yaml(tmp_path):
+    (tmp_path / "config.yaml").write_text("defaults: cpu_default\n")
+    with pytest.raises(ConfigError, match=rf"--config {tmp_path} is a directory; a run's resolved config is "
+                                          rf"--config {tmp_path}/config.yaml"):
+        load_config(tmp_path)
+
+
 def test_a_quoted_override_stays_a_string(tmp_path):
     """As the README says (quote a value YAML would read otherwise), and as in a file: "42" and '1e5' are strings
     (they became the numbers 42 and 100000.0, which a str key refused)."""

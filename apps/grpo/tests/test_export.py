@@ -159,6 +159,10 @@ def test_export_refusals_exit_2_naming_the_fix(trained_run, caplog, tmp_path, mo
 
     code, line = _export(caplog, str(tmp_path / "nope"))
     assert code == 2 and "does not exist: pass a run directory" in line
+    for inside in (run / "checkpoints", run / "checkpoints/step_1/policy"):  # it said: pass --config FILE
+        code, line = _export(caplog, str(inside))
+        assert code == 2 and (f"{inside} is neither a run directory nor one of its checkpoints/step_N: pass {run} "
+                              f"(its newest intact checkpoint) or {run}/checkpoints/step_N") in line, line
 
     moved = tmp_path / "elsewhere"
     shutil.copytree(run / "checkpoints", moved)  # checkpointing.dir outside the run: no config.yaml above

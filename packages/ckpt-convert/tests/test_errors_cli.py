@@ -163,6 +163,10 @@ def test_mcore2hf_of_a_dcp_checkpoint_without_conversion_metadata_names_the_file
     dcp.save({"model.lm_head.weight": torch.zeros(4, 2)}, checkpoint_id=str(tmp_path / "policy"))
     with pytest.raises(ValueError, match=r"policy/ckpt_convert.json not found: --mcore must be a checkpoint written"):
         convert_mcore_to_hf(tmp_path / "policy", tmp_path / "out")
+    # the trainer's step_N around it: the checkpoint inside is named
+    with pytest.raises(ValueError, match=rf"{tmp_path} is not a megatron torch_dist checkpoint \(no .metadata file\); "
+                                         rf"the checkpoint inside is {tmp_path}/policy"):
+        convert_mcore_to_hf(tmp_path, tmp_path / "out2")
 
 
 def test_cli_roundtrip_and_error(tiny_ckpts: dict, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -89,7 +89,8 @@ def test_malformed_jsonl_line_names_file_and_line(tmp_path, tokenizer):
 
 
 def test_missing_file_and_unknown_suffix(tmp_path, tokenizer):
-    with pytest.raises(ValueError, match="does not exist"):
+    with pytest.raises(ValueError, match=r"does not exist \(expected a local .jsonl, .json or .parquet file, a "
+                                         r"directory written by datasets' save_to_disk, or a Hugging Face Hub"):
         load_prompt_dataset(tmp_path / "none.jsonl", tokenizer)
     (tmp_path / "p.csv").write_text("prompt\na\n")
     with pytest.raises(ValueError, match="unsupported suffix '.csv'"):

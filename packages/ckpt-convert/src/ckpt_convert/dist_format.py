@@ -163,7 +163,9 @@ class CheckpointReader:
     def __init__(self, ckpt_dir: str | Path) -> None:
         self.path = Path(ckpt_dir)
         if not (self.path / ".metadata").is_file():
-            raise ValueError(f"{self.path} is not a megatron torch_dist checkpoint (no .metadata file)")
+            inner = next((d for d in sorted(self.path.glob("*/.metadata"))), None)  # a trainer's step_N/policy
+            hint = f"; the checkpoint inside is {inner.parent}" if inner is not None else ""
+            raise ValueError(f"{self.path} is not a megatron torch_dist checkpoint (no .metadata file){hint}")
         # torch's DCP reader unpickles `.metadata`: a checkpoint is code. One our engines wrote carries a
         # manifest (sizes, sha256) that is checked first; any other must come from a source you trust.
         if (self.path / MANIFEST_FILE).is_file():

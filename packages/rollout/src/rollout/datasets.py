@@ -149,7 +149,8 @@ def prompt_data_problem(path: str | Path, *, split: str = "train", subset: str |
         return (f"prompt dataset {path} is a saved DatasetDict; point at one of its splits: "
                 f"{', '.join(str(path / split) for split in splits)}")
     if not path.is_file():
-        return f"prompt dataset {path} does not exist (expected a local .jsonl or .parquet file)"
+        return (f"prompt dataset {path} does not exist (expected a local .jsonl, .json or .parquet file, a directory "
+                "written by datasets' save_to_disk, or a Hugging Face Hub dataset name)")
     if path.suffix not in (*JSONL_SUFFIXES, ".parquet"):
         return (f"prompt dataset {path}: unsupported suffix {path.suffix!r}; use .jsonl, .json or .parquet (e.g. "
                 "datasets.Dataset.from_csv(path).to_json('prompts.jsonl'))")
