@@ -61,6 +61,20 @@ def test_chat_template_renders_user_turn_and_system_prompt(tmp_path, tokenizer):
     assert examples[0].messages[1] == {"role": "user", "content": "What is 1/2 + 0?"}
 
 
+def test_a_prompt_with_its_own_system_message_keeps_it_with_a_warning(tmp_path, tokenizer, caplog):
+    """verl's prepared data often starts with a system turn: it stays, and env.system_prompt (silently unused on
+    those prompts before) is said to apply to the others only."""
+    rows = [{"prompt": [{"role": "system", "content": "Mine."}, {"role": "user", "content": "hi"}]}, {"prompt": "yo"}]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with caplog.at_level(logging.WARNING, logger="rollout.datasets"):
+        examples = load_prompt_dataset(path, tokenizer, apply_chat_template=True, system_prompt="Be brief.")
+    assert [e.prompt for e in examples] == ["system: Mine.\nuser: hi\nassistant: ",
+                                            "system: Be brief.\nuser: yo\nassistant: "]
+    assert ("1 of 2 prompts start with a system message of their own, which stays: the system prompt (the "
+            "trainer's env.system_prompt) applies to the others only") in caplog.text
+
+
 def test_malformed_jsonl_line_names_file_and_line(tmp_path, tokenizer):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"prompt": "a"}\n\n{"prompt": "b", oops}\n{"prompt": "c"}\n')

@@ -273,7 +273,7 @@ def build_examples(records: Iterable[Mapping[str, Any]], tokenizer: Any, *, prom
                    answer_key: str = ANSWER) -> list[PromptExample]:
     """Records {prompt_key: ..., other: ...} -> PromptExamples (used for files and the toy generators); the
     metadata's "answer" is the record's `answer_key` field (a dotted path into nested fields)."""
-    examples, lossy = [], []
+    examples, lossy, own_system = [], [], 0
     for number, record in enumerate(records, start=1):
         try:
             text = render_prompt(record[prompt_key], tokenizer, apply_chat_template=apply_chat_template,
@@ -295,6 +295,10 @@ def build_examples(records: Iterable[Mapping[str, Any]], tokenizer: Any, *, prom
             metadata[ANSWER] = _field(record, answer_key, f"record {number}")
         examples.append(PromptExample(prompt=text, prompt_token_ids=list(ids), metadata=metadata,
                                       messages=chat_messages(record[prompt_key], system_prompt)))
+        own_system += isinstance(record[prompt_key], list) and record[prompt_key][0].get("role") == "system"
+    if system_prompt is not None and own_system:  # chat_messages keeps theirs
+        logger.warning("%d of %d prompts start with a system message of their own, which stays: the system prompt "
+                       "(the trainer's env.system_prompt) applies to the others only", own_system, len(examples))
     if lossy:  # silent otherwise: the tokenizer drops or replaces what it cannot encode
         number, text, back = lossy[0]
         logger.warning("%d of %d prompts lose characters in the tokenizer (record %d: %r reads back as %r): the model "
