@@ -213,3 +213,15 @@ def test_without_prev_logprobs_the_loss_is_on_policy(agg):
                              "prev_logprobs": lp.detach().clone()})
     loss2, _ = ClippedPGLoss(cfg)(explicit)
     assert float(loss2) == pytest.approx(float(loss), abs=1e-15)
+
+
+def test_a_batch_without_loss_tokens_has_a_zero_loss_and_undefined_token_means():
+    """Every completion token masked (DAPO overlong filtering on a step of cut-off completions): the loss is 0 with a
+    zero gradient, and the per-token means are NaN (logged as null); ratio_mean and entropy read 0.0 before."""
+    lp = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
+    loss, metrics = clipped_pg_loss(lp, lp.detach() - 0.1, torch.ones(3), torch.zeros(3), torch.zeros(3, dtype=torch.long),
+                                    num_valid_tokens=0.0, num_valid_seqs=1.0, entropy=torch.ones(3))
+    loss.backward()
+    assert float(loss) == 0.0 and lp.grad.abs().sum() == 0
+    assert all(math.isnan(float(metrics[k])) for k in ("ratio_mean", "entropy", "clip_fraction", "advantages_mean"))
+    assert math.isinf(float(metrics["ratio_min"])) and float(metrics["nonfinite_logprob_tokens"]) == 0

@@ -22,6 +22,7 @@ rank alike (the NaN reaches all of them through the gradient all-reduce).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -96,7 +97,8 @@ def clipped_pg_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - eps_low, 1 + eps_high)
     pg = torch.maximum(unclipped, clipped)
-    n_tok = max(num_valid_tokens, 1.0)
+    # per-token means of no token are undefined (NaN, logged as null), not 0: a ratio_mean of 0 reads as a collapse
+    n_tok = num_valid_tokens if num_valid_tokens > 0 else math.nan
     metrics: dict[str, Tensor] = {}
     if dual_clip is not None:
         dual = -advantages * dual_clip
