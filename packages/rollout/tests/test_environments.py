@@ -366,3 +366,32 @@ def test_pool_directory_goes_with_close_exit_and_killed_owner(tmp_path, monkeypa
         alive.kill()
         alive.wait(timeout=10)
     assert sorted(p.name for p in temp.iterdir()) == [os.path.basename(alive_dir)]
+
+
+def test_an_installed_environment_is_found_by_its_entry_point(tmp_path, monkeypatch):
+    """A package's `rl_core.environments` entry point makes its environment known in any process (the trainer's
+    reward workers never import the user's module, so an in-process @register_environment is not seen there):
+    listed, built with its kwargs, its decorator's prompt_fields kept; an undecorated class works as it is."""
+    from rollout.environments import create_environment, environment_names, prompt_fields
+
+    (tmp_path / "my_envs.py").write_text(
+        "from rollout.environments import register_environment\n"
+        "from rl_core.interfaces import RewardResult\n"
+        "@register_environment('count_target_ep', prompt_fields={'target': 'the letter to count'})\n"
+        "class CountTarget:\n"
+        "    def __init__(self, bonus=0.0):\n        self.bonus = bonus\n"
+        "    def score(self, requests):\n"
+        "        return [RewardResult(reward=r.completion.count(r.metadata['target']) + self.bonus) for r in requests]\n"
+        "class Plain(CountTarget):\n    pass\n")
+    dist_info = tmp_path / "my_envs-0.1.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: my-envs\nVersion: 0.1\n")
+    (dist_info / "entry_points.txt").write_text("[rl_core.environments]\ncount_target_ep = my_envs:CountTarget\n"
+                                                "plain_ep = my_envs:Plain\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert {"count_target_ep", "plain_ep"} <= set(environment_names())
+    assert prompt_fields("count_target_ep") == {"target": "the letter to count"}
+    env = create_environment("count_target_ep", bonus=0.5)
+    request = RewardRequest(prompt="p", completion="abca", metadata={"target": "a"})
+    assert [r.reward for r in env.score([request])] == [2.5]
+    assert prompt_fields("plain_ep") == {} and create_environment("plain_ep").score([request])[0].reward == 2.0

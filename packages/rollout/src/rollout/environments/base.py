@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
+from importlib.metadata import entry_points
 from typing import Any
 
 from rl_core.interfaces import Environment, RewardRequest, RewardResult
@@ -22,6 +23,9 @@ logger = logging.getLogger(__name__)
 
 _ENVIRONMENTS: dict[str, Callable[..., Environment]] = {}
 _PROMPT_FIELDS: dict[str, dict[str, str]] = {}
+# An installed package's environments, by name: found in every process (the trainer's reward workers too), where an
+# in-process `@register_environment` is seen only by the process that imported its module.
+ENTRY_POINT_GROUP = "rl_core.environments"
 
 
 def register_environment(name: str, *, prompt_fields: Mapping[str, str] | None = None
@@ -40,11 +44,25 @@ def register_environment(name: str, *, prompt_fields: Mapping[str, str] | None =
 
 def prompt_fields(name: str) -> dict[str, str]:
     """The metadata fields environment `name` reads from every prompt (field -> what it holds)."""
+    _load_installed(name)
     return dict(_PROMPT_FIELDS.get(name, {}))
 
 
+def _load_installed(name: str) -> None:
+    """Import the `rl_core.environments` entry point named `name`, if one is installed and `name` is not registered:
+    a class its module decorates with `@register_environment(name)` keeps its prompt_fields; an undecorated class or
+    factory is registered as it is."""
+    if name in _ENVIRONMENTS:
+        return
+    installed = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
+    if installed:
+        factory = installed[0].load()
+        _ENVIRONMENTS.setdefault(name, factory)
+        _PROMPT_FIELDS.setdefault(name, {})
+
+
 def environment_names() -> list[str]:
-    return sorted(_ENVIRONMENTS)
+    return sorted(set(_ENVIRONMENTS) | {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)})
 
 
 class RewardFailureError(RuntimeError):
@@ -70,6 +88,7 @@ def finite_rewards(results: Sequence[RewardResult]) -> list[RewardResult]:
 
 def environment_factory(name: str) -> Callable[..., Environment]:
     """The class or factory registered as `name` (its signature is what `env.kwargs` must fit)."""
+    _load_installed(name)
     if name not in _ENVIRONMENTS:
         raise ValueError(f"env.name={name!r} is not a registered environment; choose one of {environment_names()} "
                          f"(or 'function' with fn='pkg.module:function')")
