@@ -12,9 +12,10 @@ What `auto` means:
 - `policy.precision`: bfloat16 on GPUs that support it, else float32 (no fp16 loss scaling here).
 - `generation.in_policy_workers` (when unset): true on cuda with `generation.colocated` (verl's hybrid
   engine: no NCCL group between two processes on one GPU), false otherwise (CPU runs as before).
-- `generation.backend_kwargs`: the generator runs on the policy's device and precision (`device`,
+- `generation.backend_kwargs`: the built-in generators run on the policy's device and precision (`device`,
   `dtype`); a vLLM generator inside the policy ranks uses vLLM's `external_launcher` executor, one
-  replica per `tensor_parallel_size` ranks (`resolve_external_launcher`).
+  replica per `tensor_parallel_size` ranks (`resolve_external_launcher`). A third-party backend gets only
+  the keys its user sets.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ AUTO = "auto"
 DEVICES = ("auto", "cpu", "cuda")
 NO_LOCAL_GPU = ("cluster.device=cuda but this machine has no usable CUDA GPU (torch.cuda.is_available() is False): "
                 "set cluster.device=cpu and cluster.gpus_per_node=0, or cluster.address to join a GPU cluster")
-# Backends that take `device` (vLLM picks its device from its platform and the visible GPUs).
-BACKENDS_WITH_DEVICE_KWARG = ("torch",)
+# The built-in backends' keys the trainer fills in; a third-party backend gets only what its user sets.
+BACKENDS_WITH_DEVICE_KWARG = ("torch",)  # vLLM picks its device from its platform and the visible GPUs
+BACKENDS_WITH_DTYPE_KWARG = ("torch", "vllm")
 
 
 @dataclass(frozen=True)
@@ -136,12 +138,13 @@ def resolve_generation(generation: dict, device: str, precision: str, world_size
             logger.warning("generation.backend_kwargs.device=cpu while the policy trains on cuda: generation "
                            "runs on the CPU (slow) and every refit copies the weights to host memory; remove the "
                            "key to generate on the policy's GPU")
-    kwargs.setdefault("dtype", precision)
+    if backend in BACKENDS_WITH_DTYPE_KWARG:
+        kwargs.setdefault("dtype", precision)
     if device == "cpu" and kwargs.get("enable_sleep_mode"):  # else vllm.LLM fails inside a Ray actor
         raise ConfigError("generation.backend_kwargs.enable_sleep_mode=true on cluster.device=cpu: vLLM's CPU backend "
                           "has no sleep mode (vllm.LLM raises 'Sleep mode is not supported on current platform'); "
                           "remove the key")
-    if generation["in_policy_workers"] and backend not in BACKENDS_WITH_DEVICE_KWARG:
+    if generation["in_policy_workers"] and backend == "vllm":
         resolve_external_launcher(kwargs, device, world_size)
 
 

@@ -61,6 +61,17 @@ def test_vllm_in_policy_ranks_uses_external_launcher():
                                              "disable_custom_all_reduce": True}
 
 
+def test_a_third_party_backend_gets_only_the_keys_its_user_sets():
+    """`dtype`, vLLM's executor and all-reduce keys are the built-in backends'; a plug-in backend whose constructor
+    does not take them was refused in preflight ('unknown config key generation.backend_kwargs.dtype')."""
+    for hardware in (NO_GPU, ONE_GPU, EIGHT_GPUS):
+        cfg = load_config(None, ["generation.backend=mygen", "generation.backend_kwargs.max_batch=4"],
+                          hardware=hardware)
+        assert cfg.generation.backend_kwargs == {"max_batch": 4}
+    assert load_config(None, ["generation.backend=mygen", "generation.in_policy_workers=true"],
+                       hardware=NO_GPU).generation.backend_kwargs == {}
+
+
 VLLM_IN_POLICY = ["generation.backend=vllm", "generation.in_policy_workers=true", "cluster.train_world_size=4",
                   "policy.train_global_batch_size=16"]
 # vLLM inside the policy ranks: layouts that cannot work -> (hardware, overrides, the error names this)
