@@ -7,6 +7,7 @@ only wires them in the order of the algorithm.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import difflib
@@ -199,12 +200,30 @@ def rollout(run: Run, prompts: list[PromptExample], params: SamplingParams, time
     with timer("reward"):
         scoring.sort(key=lambda item: item[0][0].prompt_index)
         completions = [c for part, _ in scoring for c in part]
+        check_completions(completions, len(prompts), params.n, run.cfg.generation.backend)
         # an environment's NaN / inf reward counts as a failed call (scored 0), like a reward function's
         results = finite_rewards([r for _, wait in scoring for r in wait()])
         timer.reward_errors += sum(r.error is not None for r in results)
         check_reward_failures(results, run.cfg.env.max_failed_reward_fraction, "env.max_failed_reward_fraction")
     rewards = torch.tensor([r.reward for r in results], dtype=torch.float32)
     return completions, rewards, results
+
+
+def check_completions(completions: list[Completion], num_prompts: int, n: int, backend: str) -> None:
+    """The generators kept `GenerationBackend.generate`'s contract: `n` completions per prompt, prompt-major, a
+    logprob per token; else a group would be scored and trained short, or under another prompt, without a word."""
+    where = f"generation backend {backend!r} (generation.backend) broke GenerationBackend.generate's contract:"
+    indices = [c.prompt_index for c in completions]
+    expected = [i for i in range(num_prompts) for _ in range(n)]
+    if indices != expected:
+        counts = collections.Counter(indices)
+        wrong = next((i for i in range(num_prompts) if counts[i] != n), None)
+        raise RuntimeError(f"{where} {len(completions)} completions for {num_prompts} prompts x n={n}"
+                           + (f" (prompt {wrong}: {counts[wrong]})" if wrong is not None else ", not prompt-major"))
+    for c in completions:
+        if len(c.logprobs) != len(c.token_ids):
+            raise RuntimeError(f"{where} a completion of prompt {c.prompt_index} has {len(c.token_ids)} tokens and "
+                               f"{len(c.logprobs)} logprobs (one per token)")
 
 
 def build_batch(prompts: list[PromptExample], completions: list[Completion], advantages: torch.Tensor,

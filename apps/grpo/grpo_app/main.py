@@ -193,6 +193,13 @@ def _train(cfg: GRPOConfig, inputs: RunInputs, resume_point: ResumePoint | None)
         _ignore_signals_at_exit()
         logger.error("run stopped: terminated (SIGTERM)%s", _resume_hint(cfg))
         return 143
+    except DamagedOnLoad:
+        raise
+    except Exception as exc:  # a bug here or in a plug-in (an engine's or backend's broken contract): its traceback,
+        logger.exception("unexpected error")  # then the one line every stopped run ends with
+        logger.error("run stopped: %s: %s%s", type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "",
+                     _resume_hint(cfg))
+        return 1
     return 0
 
 

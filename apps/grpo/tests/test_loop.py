@@ -113,6 +113,25 @@ def test_dynamic_sampling_keeps_each_completion_under_its_own_prompt():
     assert len(rewards) == len(results) == 8
 
 
+def test_a_generator_that_breaks_the_generate_contract_stops_the_step():
+    """A plug-in backend returning a short group, or a logprob fewer than tokens: an error naming the backend (a
+    short group trained silently on 15 sequences for 16)."""
+    from grpo_app.loop import check_completions
+
+    def group(i, n=2, tokens=2, logprobs=2):
+        return [Completion(prompt_index=i, token_ids=[5] * tokens, logprobs=[-1.0] * logprobs, finish_reason="stop")
+                for _ in range(n)]
+
+    check_completions(group(0) + group(1), 2, 2, "mygen")
+    with pytest.raises(RuntimeError, match=r"generation backend 'mygen' \(generation.backend\) broke GenerationBackend"
+                                           r".generate's contract: 3 completions for 2 prompts x n=2 \(prompt 1: 1\)"):
+        check_completions(group(0) + group(1, n=1), 2, 2, "mygen")
+    with pytest.raises(RuntimeError, match="not prompt-major"):
+        check_completions(group(1) + group(0), 2, 2, "mygen")
+    with pytest.raises(RuntimeError, match="a completion of prompt 1 has 2 tokens and 1 logprobs"):
+        check_completions(group(0) + group(1, logprobs=1), 2, 2, "mygen")
+
+
 def test_without_dynamic_sampling_every_group_is_kept():
     prompts, completions, rewards, _ = sample_groups(make_run(), 0, PhaseTimer())
     assert len({p.prompt for p in prompts}) == 3  # three different prompts of the source

@@ -94,6 +94,16 @@ def test_a_broken_reward_function_stops_the_run_with_the_same_line(stopped_run, 
                     f"{tmp_path}/run/checkpoints/step_4")
 
 
+def test_an_unexpected_error_ends_with_its_traceback_and_the_same_line(stopped_run, tmp_path, caplog):
+    """A broken plug-in contract (here the check TokenBatch makes) or a bug: the traceback, then `run stopped: ...`
+    with the resume hint, exit 1 (it was a bare traceback)."""
+    code, line = stopped_run(ValueError("TokenBatch.ref_logprobs[0] has shape (9,); expected (10,)\nmore"))
+    assert code == 1
+    assert line == ("run stopped: ValueError: TokenBatch.ref_logprobs[0] has shape (9,); expected (10,); the same "
+                    f"command resumes from {tmp_path}/run/checkpoints/step_4")
+    assert any(r.exc_info for r in caplog.records)  # the traceback, for whoever fixes it
+
+
 def test_an_actor_that_failed_to_start_is_named():
     cluster.ROLES[ACTOR_ID] = "generation worker 0"
     try:
