@@ -35,6 +35,7 @@ from rl_core.config import ConfigError
 from rl_core.distributed import free_port
 from rl_core.interfaces import Completion, RewardRequest, RewardResult, SamplingParams
 from rl_core.metrics import combine_optimizer_steps
+from rl_core.registry import GENERATION_BACKENDS
 from rollout.environments import check_reward_failures, create_environment
 from seqpack import balance_partitions
 
@@ -150,26 +151,27 @@ def _split(items: Sequence[Any], parts: int) -> list[list[Any]]:
 def replica_params(params: SamplingParams, first_prompt: int) -> SamplingParams:
     """The sampling parameters of the replica whose share starts at prompt `first_prompt`: a seed of its own.
 
-    The torch backend keys its draws on (seed, local row, step), so replicas sharing the call's seed would draw the
-    same noise for their first rows, their second rows, ... (vLLM's request seeds hash the prompt, but a copy of a
-    prompt on each replica would still match). The first replica keeps the call's seed: one replica samples as
-    before. Deterministic, so a resumed run samples what the original did."""
+    For a backend that keys its draws on rows (the torch backend: (seed, local row, step)), replicas sharing the
+    call's seed would draw the same noise for their first rows, their second rows, ... A backend that seeds each
+    prompt (`seeds_each_prompt`: vLLM's request seeds) keeps the call's seed instead (`generate_by_replica`), so its
+    samples do not depend on how many replicas there are. The first replica keeps the call's seed: one replica
+    samples as before. Deterministic, so a resumed run samples what the original did."""
     if params.seed is None or first_prompt == 0:
         return params
     digest = hashlib.blake2b(f"{params.seed}:{first_prompt}".encode(), digest_size=8).digest()
     return dataclasses.replace(params, seed=int.from_bytes(digest, "little") >> 2)  # 62 bits, as vLLM's seeds
 
 
-def generate_by_replica(replicas: list[list[Any]], prompts: list[list[int]],
-                        params: SamplingParams) -> Iterator[list[Completion]]:
+def generate_by_replica(replicas: list[list[Any]], prompts: list[list[int]], params: SamplingParams, *,
+                        reseed: bool = True) -> Iterator[list[Completion]]:
     """Split `prompts` over the replicas (lists of generator actors: a tensor-parallel group of policy ranks,
     or one generation worker) and yield each replica's completions as soon as it finishes, prompt indices
     into `prompts`. Every rank of a replica gets the same prompts (TP ranks step together); the first
-    rank's completions are the replica's."""
+    rank's completions are the replica's. `reseed`: each replica its own seed (`replica_params`)."""
     offsets, offset, followers = {}, 0, []
     for (leader, *others), part in zip(replicas, _split(prompts, len(replicas))):
         if part:
-            own = replica_params(params, offset)
+            own = replica_params(params, offset) if reseed else params
             offsets[leader.generate.remote(part, own)] = offset
             followers += [g.generate.remote(part, own) for g in others]  # same tokens as the leader's
         offset += len(part)
@@ -476,7 +478,9 @@ class Workers:
         """Each generator's completions as soon as it finishes (finishing order; prompt indices into
         `prompts`), so the caller can score one share while the others still generate."""
         self.colocation.to_generation()
-        yield from generate_by_replica(self.replicas, prompts, params)
+        backend = GENERATION_BACKENDS.get(self.cfg.generation.backend, config_key="generation.backend")
+        reseed = not getattr(backend, "seeds_each_prompt", False)
+        yield from generate_by_replica(self.replicas, prompts, params, reseed=reseed)
 
     def submit_score(self, requests: list[RewardRequest]) -> Callable[[], list[RewardResult]]:
         """Start scoring now (reward actors, or the driver's environment on a thread); call the result to wait.

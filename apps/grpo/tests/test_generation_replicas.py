@@ -85,3 +85,14 @@ def test_replicas_draw_independently_and_tensor_parallel_ranks_alike(ranks):
     alone = [c.token_ids for part in generate_by_replica([[ranks[0]]], [[7]], params) for c in part]
     first, second = sorted(split)  # rank 0's answer, then rank 2's
     assert first[2:] != second[2:] and sorted(again) == sorted(split) and alone == [first]
+    # a backend that seeds each prompt (vLLM) keeps the call's seed on every replica: the same samples however many
+    same = [c.token_ids for part in generate_by_replica([ranks[:2], ranks[2:]], [[7], [7]], params, reseed=False)
+            for c in part]
+    assert sorted(t[2:] for t in same) == [first[2:], first[2:]]
+
+
+def test_only_a_backend_that_seeds_each_prompt_keeps_the_calls_seed_on_every_replica():
+    from rollout.torch_backend import TorchGenerationBackend
+    from rollout.vllm_backend import VLLMGenerationBackend
+
+    assert VLLMGenerationBackend.seeds_each_prompt and not getattr(TorchGenerationBackend, "seeds_each_prompt", False)

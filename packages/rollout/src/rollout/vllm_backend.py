@@ -169,6 +169,9 @@ class VLLMGenerationBackend:
 
     # module -> install command: what a launcher can check before it starts the processes that build this
     required_modules = {"vllm": INSTALL_HINT}
+    # a seeded call's draws depend on each prompt (its request seed), not on its row or the call's other prompts:
+    # a launcher splitting prompts over replicas passes every replica the call's seed, and gets the same samples
+    seeds_each_prompt = True
 
     def __init__(
         self,
