@@ -461,6 +461,23 @@ def top_level_names(tree: ast.Module) -> set[str] | None:
     return None if "__getattr__" in names else names
 
 
+def check_plugins_reach_workers(cfg: GRPOConfig, engine_cls: type) -> None:
+    """The engine implements every abstract method, and the engine and generation backend are known to the trainer's
+    Ray workers: a class registered in this process only (`@register_engine`, `@register_generation_backend`) is
+    not, since they never import the module that registered it (found as the first worker started, after Ray)."""
+    if inspect.isabstract(engine_cls):
+        raise ConfigError(f"{cfg.policy.engine_config_key}: {engine_cls.__module__}.{engine_cls.__qualname__} does not "
+                          f"implement {sorted(engine_cls.__abstractmethods__)} of rl_core.interfaces.TrainingEngine")
+    for registry, name, key in ((ENGINES, cfg.policy.engine_name, cfg.policy.engine_config_key),
+                                (GENERATION_BACKENDS, cfg.generation.backend, "generation.backend")):
+        if registry.in_process_only(name):
+            cls = registry.get(name, config_key=key)
+            raise ConfigError(f"{key}: {registry.kind} {name!r} ({cls.__module__}:{cls.__qualname__}) is registered in "
+                              "this process only; the trainer's workers are other processes, which never import it: "
+                              f"declare it as an entry point of its package ([project.entry-points.\"{registry.group}\"] "
+                              f"{name} = \"{cls.__module__}:{cls.__qualname__}\") and install the package")
+
+
 def preflight(cfg: GRPOConfig, *, training: bool = True) -> GRPOConfig:
     """Validate what the config points at; returns the config with the model path resolved. `training=False`
     (`eval`): the prompts needed are the validation ones only."""
@@ -469,6 +486,8 @@ def preflight(cfg: GRPOConfig, *, training: bool = True) -> GRPOConfig:
     engine_cls = ENGINES.get(cfg.policy.engine_name, config_key=cfg.policy.engine_config_key)
     engine_cfg = engine_cls.validate_config(cfg.policy) if isinstance(engine_cls, ValidatesConfig) else None
     backend_cls = GENERATION_BACKENDS.get(cfg.generation.backend, config_key="generation.backend")
+    if training:
+        check_plugins_reach_workers(cfg, engine_cls)
     check_kwargs(backend_cls, cfg.generation.backend_kwargs, "generation.backend_kwargs", given=("model_path",))
     check_backend_options(backend_cls, cfg.generation.backend_kwargs)
     check_backend_installed(cfg, backend_cls)

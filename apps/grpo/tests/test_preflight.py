@@ -588,6 +588,31 @@ def test_a_reward_function_name_the_module_does_not_define_fails_before_ray(capl
     assert top_level_names(ast.parse("from helpers import *\n")) is None
 
 
+def test_an_engine_registered_in_process_or_abstract_fails_before_ray(caplog, monkeypatch):
+    """`@register_engine` in the driver's process: the policy workers never import it (it failed as the first
+    worker started, after Ray); an engine missing an abstract method failed there too."""
+    from engine_dtensor.engine import DTensorEngine
+    from rl_core.interfaces import TrainingEngine
+    from rl_core.registry import ENGINES, register_engine
+
+    monkeypatch.setattr(ENGINES, "_classes", dict(ENGINES._classes))  # the test's registrations end with it
+
+    @register_engine("preflight_in_process")
+    class InProcess(DTensorEngine):
+        pass
+
+    @register_engine("preflight_abstract")
+    class Unfinished(TrainingEngine):
+        pass
+
+    code, text = run_main(caplog, "policy.engine=preflight_in_process")
+    assert code == 2 and "policy.engine: training engine 'preflight_in_process' (" in text, text
+    assert ("<locals>.InProcess) is registered in this process only" in text
+            and '[project.entry-points."rl_core.engines"] preflight_in_process = ' in text), text
+    code, text = run_main(caplog, "policy.engine=preflight_abstract")
+    assert code == 2 and "Unfinished does not implement ['" in text, text
+
+
 def test_tokenizer_larger_than_the_model_vocabulary_fails_before_ray(caplog, tmp_path):
     """The char tokenizer has ids up to ~100; a model of 64 embeddings cannot take most prompts."""
     from rl_core.testing.tiny_models import save_tiny_checkpoint

@@ -3,7 +3,8 @@
 This is the one place backend names live. Packages announce their classes through Python entry points
 (`rl_core.engines`, `rl_core.generation_backends` in their pyproject.toml), so installing a wheel is what
 makes a backend available; `@register_engine("name")` registers a class defined in-process (tests, a
-user's own engine). An unknown name lists the known ones; a known but uninstalled one names the wheel.
+user's own engine driven in that process, e.g. under torchrun; a launcher's worker processes, such as the
+trainer's, know entry points only). An unknown name lists the known ones; a known but uninstalled one names the wheel.
 """
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ class Registry:
                                  f"{other.value}; {_dist(ep)}: {ep.value}); uninstall one of them")
             found[ep.name] = ep
         return found
+
+    def in_process_only(self, name: str) -> bool:
+        """`name` was registered by a decorator in this process and no installed entry point names it: other
+        processes (a launcher's workers) that never import the registering module do not know it."""
+        return name in self._classes and name not in self._entry_points()
 
     def names(self) -> list[str]:
         return sorted(set(self._classes) | set(self._entry_points()))
