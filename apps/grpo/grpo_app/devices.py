@@ -39,6 +39,7 @@ NO_LOCAL_GPU = ("cluster.device=cuda but this machine has no usable CUDA GPU (to
 # The built-in backends' keys the trainer fills in; a third-party backend gets only what its user sets.
 BACKENDS_WITH_DEVICE_KWARG = ("torch",)  # vLLM picks its device from its platform and the visible GPUs
 BACKENDS_WITH_DTYPE_KWARG = ("torch", "vllm")
+BACKENDS_WITH_EXTERNAL_LAUNCHER = ("vllm",)  # inside the policy ranks: vLLM's executor on the ranks' world
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,7 @@ def resolve_generation(generation: dict, device: str, precision: str, world_size
         raise ConfigError("generation.backend_kwargs.enable_sleep_mode=true on cluster.device=cpu: vLLM's CPU backend "
                           "has no sleep mode (vllm.LLM raises 'Sleep mode is not supported on current platform'); "
                           "remove the key")
-    if generation["in_policy_workers"] and backend == "vllm":
+    if generation["in_policy_workers"] and backend in BACKENDS_WITH_EXTERNAL_LAUNCHER:
         resolve_external_launcher(kwargs, device, world_size)
 
 
