@@ -17,6 +17,7 @@ import dataclasses
 import json
 import logging
 import math
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +45,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threshold", type=float, default=1.0,
                         help="a completion counts as solved when the environment says it is correct or, where it only "
                              "gives a reward, when the reward is >= this (default 1.0)")
-    parser.add_argument("--out", type=Path, help="where the completions go (JSONL; default: <logger.log_dir>/eval.jsonl)")
+    parser.add_argument("--out", type=Path, help="where the completions go (JSONL; default: "
+                                                 "<logger.log_dir>/eval/<model>[-samplesK].jsonl, see default_out)")
     parser.add_argument("--log-level", default="INFO", type=str.upper,
                         choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. policy.model_name=DIR")
@@ -145,6 +147,16 @@ def evaluate(cfg: GRPOConfig, inputs: EvalInputs, *, samples: int, threshold: fl
     return score_metrics(completions, results, samples, threshold)
 
 
+def default_out(cfg: GRPOConfig, samples: int) -> Path:
+    """`<logger.log_dir>/eval/<model>[-samples<K>].jsonl`, <model> being `step_N` for a run's `step_N/hf` and the
+    directory's name otherwise: evaluating the next checkpoint, or the same one with other --samples, keeps the
+    completions of the last."""
+    model = Path(cfg.policy.model_name)
+    label = model.parent.name if model.name == "hf" and re.fullmatch(r"step_\d+", model.parent.name) else model.name
+    name = f"{label}-samples{samples}" if samples > 1 else label
+    return Path(cfg.logger.log_dir) / "eval" / f"{name}.jsonl"
+
+
 def generate_in_chunks(backend: GenerationBackend, prompts: list[PromptExample], cfg: GRPOConfig,
                        samples: int) -> list[Completion]:
     """`samples` completions per prompt, prompt-major, generated CHUNK_COMPLETIONS at a time under a progress bar
@@ -174,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         try:
             cfg = preflight(load_config(args.config, args.overrides), training=False)
-            out = args.out or Path(cfg.logger.log_dir) / "eval.jsonl"
+            out = args.out or default_out(cfg, args.samples)
             inputs = load_eval_inputs(cfg, out)
         except (ConfigError, FileNotFoundError, ValueError) as exc:  # the inputs only: an error in generation or
             logger.error("%s", exc)                                   # scoring is a bug and keeps its traceback
@@ -189,6 +201,6 @@ def main(argv: list[str] | None = None) -> int:
     width = max(map(len, metrics))
     logger.info("%s (completions: %s):\n%s", cfg.policy.model_name, out,
                 "\n".join(f"  {name:<{width}}  {value:.4f}" for name, value in metrics.items()))
-    print(json.dumps({"model": cfg.policy.model_name, "samples": args.samples, **metrics}))
+    print(json.dumps({"model": cfg.policy.model_name, "samples": args.samples, "completions": str(out), **metrics}))
     return 0
 

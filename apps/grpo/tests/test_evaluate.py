@@ -143,3 +143,22 @@ def test_vllm_eval_decodes_what_the_torch_backend_decodes(tmp_path, capsys):
     torch_records, vllm_records = ([json.loads(line) for line in out.read_text().splitlines()] for out in outs.values())
     assert [r["completion"] for r in vllm_records] == [r["completion"] for r in torch_records]
     assert [r["reward"] for r in vllm_records] == [r["reward"] for r in torch_records]
+
+
+def test_default_completions_file_names_the_model_so_the_next_checkpoint_keeps_this_ones(tmp_path, capsys):
+    """Two checkpoints of a run, and one of them sampled: three files, none overwritten, under logger.log_dir."""
+    cfg = preflight(load_config(None, SMALL))
+    run = tmp_path / "run" / "checkpoints"
+    tokenizer = AutoTokenizer.from_pretrained(cfg.policy.model_name)
+    model = AutoModelForCausalLM.from_pretrained(cfg.policy.model_name)
+    for step in (1, 2):
+        model.save_pretrained(run / f"step_{step}" / "hf")
+        tokenizer.save_pretrained(run / f"step_{step}" / "hf")
+    log_dir = tmp_path / "logs"
+    written = []
+    for step, samples in ((1, 1), (2, 1), (2, 3)):
+        assert main([*SMALL, f"policy.model_name={run / f'step_{step}' / 'hf'}", f"logger.log_dir={log_dir}",
+                     "--samples", str(samples)]) == 0
+        written.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["completions"])
+    assert written == [str(log_dir / "eval" / name) for name in ("step_1.jsonl", "step_2.jsonl", "step_2-samples3.jsonl")]
+    assert [len(open(path).read().splitlines()) for path in written] == [6, 6, 18]
