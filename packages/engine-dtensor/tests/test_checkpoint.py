@@ -115,8 +115,9 @@ def test_exported_weights_give_identical_hf_logits(ckpt, tmp_path) -> None:
 
 def _contract(rank: int, world: int, path: str, overrides: dict, shared_dir: str) -> None:
     warmup = {"warmup_steps": 4, "decay": "constant"}  # the lr moves every step: a restored schedule shows
-    check_training_engine(lambda: DTensorEngine(make_policy(path, scheduler=warmup, **overrides)), VOCAB,
-                          checkpoint_dir=shared_dir)
+    policy = make_policy(path, scheduler=warmup, **overrides)
+    check_training_engine(lambda: DTensorEngine(policy), VOCAB, checkpoint_dir=shared_dir,
+                          lr_at=lambda k: policy.optimizer.kwargs["lr"] * policy.scheduler.lr_factor(k))
 
 
 @pytest.mark.parametrize(
@@ -140,6 +141,37 @@ def _contract(rank: int, world: int, path: str, overrides: dict, shared_dir: str
 )
 def test_training_engine_contract(ckpt, tmp_path, world: int, overrides: dict) -> None:
     run_distributed(_contract, world, args=(ckpt("qwen3"), overrides, str(tmp_path)))
+
+
+class _ConstantLREngine(DTensorEngine):
+    """A plug-in that forgets the schedule: its lr stays the optimizer's initial one."""
+
+    def optimizer_step(self) -> dict[str, float]:
+        self.scheduler.step = lambda: None
+        return super().optimizer_step()
+
+
+class _SilentStepEngine(DTensorEngine):
+    """A plug-in whose optimizer_step steps but reports nothing (the trainer would log no grad norm and no lr)."""
+
+    def optimizer_step(self) -> dict[str, float]:
+        super().optimizer_step()
+        return {}
+
+    def train_batch(self, batch, loss_fn) -> dict[str, float]:  # its own train_batch still reports both
+        self.zero_grad()
+        result = self.forward_backward(batch, loss_fn)
+        return {"loss": result.loss, **DTensorEngine.optimizer_step(self)}
+
+
+@pytest.mark.parametrize(("engine_cls", "message"), [(_ConstantLREngine, "!= the configured"),
+                                                     (_SilentStepEngine, "optimizer_step metrics lack")])
+def test_contract_refuses_an_engine_that_ignores_the_schedule_or_reports_no_step(ckpt, tmp_path, engine_cls,
+                                                                                  message) -> None:
+    policy = make_policy(ckpt("qwen3"), scheduler={"warmup_steps": 4, "decay": "constant"})
+    with pytest.raises(AssertionError, match=message):
+        check_training_engine(lambda: engine_cls(policy), VOCAB, checkpoint_dir=str(tmp_path),
+                              lr_at=lambda k: policy.optimizer.kwargs["lr"] * policy.scheduler.lr_factor(k))
 
 
 def _moe_save(rank: int, world: int, path: str, batch, out_dir: str) -> tuple:

@@ -99,7 +99,9 @@ def _contract(rank: int, world_size: int, ckpt: str, megatron_cfg: dict) -> bool
     from engine_megatron.engine import MegatronEngine
 
     warmup = {"warmup_steps": 4, "decay": "constant"}  # the lr moves every step: a restored schedule shows
-    check_training_engine(lambda: MegatronEngine(make_policy(ckpt, megatron_cfg, scheduler=warmup)), VOCAB)
+    policy = make_policy(ckpt, megatron_cfg, scheduler=warmup)
+    check_training_engine(lambda: MegatronEngine(policy), VOCAB,
+                          lr_at=lambda k: policy.optimizer.kwargs["lr"] * policy.scheduler.lr_factor(k))
     return True
 
 

@@ -42,13 +42,16 @@ def shared_temp_dir() -> str:
 
 
 def check_training_engine(make_engine: Callable[[], TrainingEngine], vocab_size: int,
-                          checkpoint_dir: str | None = None) -> None:
+                          checkpoint_dir: str | None = None, lr_at: Callable[[int], float] | None = None) -> None:
     """Shapes, determinism, training moves logprobs, forward_only leaves weights alone, checkpoints restore
     in the same process (weights, optimizer, lr schedule: give `make_engine` a warmup so the lr moves),
-    optimizer_step consumes the gradients, save_hf writes a model transformers loads.
+    optimizer_step consumes the gradients and reports its grad norm and lr, save_hf writes a model transformers
+    loads.
 
-    Under torch.distributed every rank calls this; `checkpoint_dir` (default: a shared temp dir) must be
-    the same path on all ranks.
+    `lr_at(k)`: the lr the engine's config sets for optimizer step k (0-based), e.g.
+    `lambda k: lr * policy.scheduler.lr_factor(k)`; the lr each step reports must equal it (an engine that ignores
+    `policy.scheduler` fails here). Under torch.distributed every rank calls this; `checkpoint_dir` (default: a
+    shared temp dir) must be the same path on all ranks.
     """
     engine = make_engine()
     assert isinstance(engine, TrainingEngine), f"{type(engine).__name__} does not implement TrainingEngine"
@@ -83,13 +86,20 @@ def check_training_engine(make_engine: Callable[[], TrainingEngine], vocab_size:
         retrained = engine.compute_logprobs(batch)
         assert all(torch.equal(a, b) for a, b in zip(trained, retrained)), "resumed step differs"
         # optimizer_step consumes the gradients: forward_backward + optimizer_step twice == train_batch twice
+        lrs = [resumed["lr"]]
         for _ in range(2):
             engine.forward_backward(batch, loss_fn)
-            engine.optimizer_step()
+            step = engine.optimizer_step()
+            for key in ("grad_norm", "lr"):
+                assert key in step and math.isfinite(step[key]), f"optimizer_step metrics lack a finite {key!r}"
+            lrs.append(step["lr"])
         stepped = engine.compute_logprobs(batch)
         engine.load_checkpoint(ckpt + "/step")
-        for _ in range(3):
-            engine.train_batch(batch, loss_fn)
+        relrs = [engine.train_batch(batch, loss_fn)["lr"] for _ in range(3)]
+        assert relrs == lrs, f"lr of optimizer steps 0-2 after a restore {relrs} != before {lrs}"
+        if lr_at is not None:
+            expected = [lr_at(k) for k in range(3)]
+            assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(lrs, expected)), f"lr of optimizer steps 0-2 {lrs} != the configured {expected}"
         retrained = engine.compute_logprobs(batch)
         assert all(torch.equal(a, b) for a, b in zip(stepped, retrained)), "optimizer_step left gradients behind"
     finally:
