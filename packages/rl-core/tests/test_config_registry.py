@@ -250,6 +250,21 @@ def test_skipped_optimizer_step_does_not_make_the_grad_norm_nan(bad_norm):
     assert math.isnan(all_skipped["grad_norm"]) and all_skipped["skipped"] == 2.0
 
 
+def test_optimizer_step_without_loss_tokens_is_left_out_of_the_means():
+    """Two optimizer steps, the second without a loss token (its mini-batch overlong-filtered away): its NaN
+    per-token means and its 0 loss and grad norm describe no data, so the GRPO step logs the first step's; counts
+    still add up, and only a GRPO step with no loss token at all logs NaN."""
+    with_tokens = {"loss": -0.27, "ratio_mean": 0.95, "grad_norm": 0.58, "lr": 1e-6, "skipped": 0.0, "loss_tokens": 3.0,
+                   "num_micro_batches": 1.0, "ratio_min": 0.9}
+    empty = {"loss": 0.0, "ratio_mean": math.nan, "grad_norm": 0.0, "lr": 1e-6, "skipped": 0.0, "loss_tokens": 0.0,
+             "num_micro_batches": 1.0, "ratio_min": math.inf}
+    got = combine_optimizer_steps([with_tokens, empty])
+    assert got == {**with_tokens, "num_micro_batches": 2.0}
+    assert combine_optimizer_steps([empty, with_tokens]) == got
+    nothing = combine_optimizer_steps([empty, empty])
+    assert math.isnan(nothing["ratio_mean"]) and nothing["loss"] == 0.0 and nothing["loss_tokens"] == 0.0
+
+
 def _reduce_on_rank(rank, world_size):
     return all_reduce_metrics({"loss": float(rank + 1), "ratio_min": 1.0 - rank, "ratio_max": float(rank)})
 

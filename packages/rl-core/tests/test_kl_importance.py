@@ -148,3 +148,15 @@ def test_nan_sampler_logprob_gets_weight_zero_and_counts_out_of_bounds(level, mo
     assert weights.tolist() == pytest.approx([want[i] for i in range(5)], rel=1e-10, abs=1e-12)
     zeroed = 3 if whole_sequence else 1
     assert float(metrics["is_oob_fraction"]) == pytest.approx(zeroed / 5, abs=1e-12)
+    # the mismatch metrics are of the four known tokens (the unknown one counts as none: exp(0) = 1, a log-ratio of 0)
+    known = [math.exp(abs(gen[i] - prev[i])) for i in clean]
+    assert float(metrics["token_mult_prob_error"]) == pytest.approx((sum(known) + 1.0) / 5, rel=1e-12)
+    assert float(metrics["gen_kl"]) == pytest.approx(sum(gen[i] - prev[i] for i in clean) / 5, rel=1e-12)
+
+
+def test_minus_inf_sampler_logprob_leaves_gen_kl_finite():
+    """A sampler logprob of -inf on a valid token: gen_kl is clamped as the weights' log-ratio is (+-20), not -inf."""
+    prev, gen = torch.tensor([-1.0, -0.5]), torch.tensor([-1.5, float("-inf")])
+    _, metrics = importance_weights(prev, gen, torch.ones(2), torch.zeros(2, dtype=torch.long), mode="tis")
+    assert float(metrics["gen_kl"]) == pytest.approx((-0.5 - 20.0) / 2, rel=1e-6)
+    assert float(metrics["token_mult_prob_error"]) == pytest.approx((math.exp(0.5) + math.exp(20.0)) / 2, rel=1e-5)

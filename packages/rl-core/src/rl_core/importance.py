@@ -86,10 +86,12 @@ def importance_weights(
         weights = torch.where(out_of_bounds, torch.zeros_like(raw), torch.exp(token_log_w).clamp(max=high))
     weights = torch.where(valid & ~unknown, weights, torch.zeros_like(weights))
     denom = float(num_valid_tokens) if num_valid_tokens is not None else mask.sum().clamp(min=1)
-    abs_log_w = masked_log_ratio(gen, prev, valid).abs()
+    # the mismatch of tokens whose sampler logprob is known (an unknown one counts as no mismatch: it shows in
+    # is_oob_fraction, and a NaN here would blank the step's metric); clamped like the weights (a -inf is finite)
+    gen_log_ratio = masked_log_ratio(gen, prev, valid & ~gen.isnan())
     metrics = {
-        "token_mult_prob_error": torch.where(valid, torch.exp(abs_log_w), torch.zeros_like(abs_log_w)).sum() / denom,
-        "gen_kl": torch.where(valid, gen - prev, torch.zeros_like(prev)).sum() / denom,
+        "token_mult_prob_error": torch.where(valid, torch.exp(gen_log_ratio.abs()), 0.0).sum() / denom,
+        "gen_kl": gen_log_ratio.sum() / denom,
         "is_oob_fraction": (out_of_bounds.to(mask.dtype) * mask).sum() / denom,
         "is_weight_mean": weights.sum() / denom,
         "is_weight_max": weights.max() if weights.numel() else weights.new_zeros(()),

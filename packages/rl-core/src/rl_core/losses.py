@@ -130,6 +130,7 @@ def clipped_pg_loss(
         if entropy is not None:
             metrics["entropy"] = torch.where(valid, entropy.detach(), 0.0).sum() / n_tok
         metrics["nonfinite_logprob_tokens"] = nonfinite.to(mask.dtype)
+        metrics["loss_tokens"] = mask.sum()
     return _poison_gradient(loss, logprobs, valid, nonfinite), metrics
 
 

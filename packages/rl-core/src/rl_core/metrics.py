@@ -56,7 +56,7 @@ def combine_metrics(parts: Iterable[Mapping[str, Tensor | float]]) -> dict[str, 
 
 
 # Metrics that count things (tokens, micro-batches, skipped optimizer steps): summed over optimizer steps.
-COUNT_KEYS = frozenset({"nonfinite_logprob_tokens", "num_micro_batches", "skipped"})
+COUNT_KEYS = frozenset({"loss_tokens", "nonfinite_logprob_tokens", "num_micro_batches", "skipped"})
 
 
 def _applied(step: Mapping[str, float]) -> bool:
@@ -73,9 +73,15 @@ def combine_optimizer_steps(steps: Sequence[Mapping[str, float]]) -> dict[str, f
     skipped (`skipped` > 0, its grad norm NaN / inf) changed no weight, and averaging its norm in would
     make the whole GRPO step's grad norm NaN although the other steps were fine. It is NaN only when
     every step was skipped; how many were is the `skipped` count. The other metrics of a skipped step
-    (e.g. its NaN loss, `nonfinite_logprob_tokens`) are kept: they describe the batch, which was seen."""
+    (e.g. its NaN loss, `nonfinite_logprob_tokens`) are kept: they describe the batch, which was seen.
+
+    An optimizer step without a loss token (`loss_tokens` 0: every completion of its mini-batch cut off under
+    overlong filtering) trained on nothing: its per-token means are NaN and its loss and grad norm 0, so it is left
+    out of the means (a step with loss tokens would otherwise log null and half its loss). Only when no step has a
+    loss token are the means NaN, as the steps' own."""
     out: dict[str, float] = {}
-    applied = [step for step in steps if _applied(step)]
+    with_tokens = [step for step in steps if float(step.get("loss_tokens", 1.0)) > 0] or list(steps)
+    applied = [step for step in with_tokens if _applied(step)]
     for key in steps[0]:
         values = [float(step[key]) for step in steps]
         op = _reduce_op(key)
@@ -84,8 +90,10 @@ def combine_optimizer_steps(steps: Sequence[Mapping[str, float]]) -> dict[str, f
             out[key] = sum(kept) / len(kept) if kept else math.nan
         elif op != "sum":
             out[key] = min(values) if op == "min" else max(values)
+        elif key in COUNT_KEYS:
+            out[key] = sum(values)
         else:
-            out[key] = sum(values) if key in COUNT_KEYS else sum(values) / len(values)
+            out[key] = sum(float(step[key]) for step in with_tokens) / len(with_tokens)
     return out
 
 
