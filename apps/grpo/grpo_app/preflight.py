@@ -197,6 +197,11 @@ def check_layout(cfg: GRPOConfig, engine_cfg: Any) -> None:
     if ep > 1 and (not experts or experts % ep):
         raise ConfigError(f"{section}: expert parallel size {ep} must divide the model's experts "
                           f"({experts or 'none: a dense model'})")
+    etp = getattr(engine_cfg, "etp", 1)  # megatron: the experts' TP, TP when unset
+    expert_ranks = world // product * degrees.get("cp", 1) * tp
+    if expert_ranks % (ep * etp):
+        raise ConfigError(f"{section}: expert parallel size {ep} x expert tensor parallel size {etp} (unset: the TP "
+                          f"size) must divide DP x CP x TP = {expert_ranks} (cluster.train_world_size={world})")
 
 
 def check_batch_covers_dp(cfg: GRPOConfig, dp: int) -> None:
@@ -498,9 +503,9 @@ def preflight(cfg: GRPOConfig, *, training: bool = True) -> GRPOConfig:
     cfg = resolve_model(cfg)
     check_hardware(cfg.cluster, detect_hardware())
     check_model_dir(cfg.policy.model_name)
-    check_engine_takes_model(engine_cls, cfg.policy)
-    check_backend_takes_model(backend_cls, cfg)
     if engine_cfg is not None:
         check_layout(cfg, engine_cfg)
+    check_engine_takes_model(engine_cls, cfg.policy)
+    check_backend_takes_model(backend_cls, cfg)
     check_cluster_address(cfg.cluster.address)
     return cfg

@@ -274,6 +274,21 @@ def test_engine_layout_against_world_size(caplog, overrides, message):
     assert code == 2 and message in text, text
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["policy.megatron_cfg.tensor_model_parallel_size=2", "policy.megatron_cfg.sequence_parallel=false"],
+     "policy.megatron_cfg.sequence_parallel=false with tensor_model_parallel_size=2 on a model with experts"),
+    (["policy.megatron_cfg.tensor_model_parallel_size=2", "policy.megatron_cfg.expert_model_parallel_size=2"],
+     "expert parallel size 2 x expert tensor parallel size 2 (unset: the TP size) must divide DP x CP x TP = 2"),
+])
+def test_megatron_moe_layouts_the_workers_would_refuse_fail_before_ray(caplog, overrides, message):
+    """Found ~35 s into a run, in a Ray actor (megatron's MoE layer at the first training step; its parallel state);
+    now by preflight."""
+    moe = cached_tiny_checkpoint("qwen3_moe", seed=42)
+    code, text = run_main(caplog, "policy.megatron_cfg.enabled=true", "cluster.train_world_size=2",
+                          f"policy.model_name={moe}", *overrides)
+    assert code == 2 and message in text, text
+
+
 # ---- the model directory ---------------------------------------------------------------------------------
 
 

@@ -117,14 +117,15 @@ def test_config_fields(tiny_ckpts: dict) -> None:
     ("llama", {"tie_word_embeddings": True}),
     ("mistral", {"sliding_window": 5}),  # shorter than TOKENS: the window really masks
     ("mixtral", {"sliding_window": 5}),  # every layer, as Mistral
+    ("qwen3_moe", {"num_experts_per_tok": 1, "norm_topk_prob": False}),  # top-1 weighted by its probability
     ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 0}),  # layer_types: all sliding
     ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 4.0,
                                    "low_freq_factor": 2.0, "high_freq_factor": 3.0,
                                    "original_max_position_embeddings": 8}}),
 ])
 def test_config_variants_match_hf(arch: str, overrides: dict, tmp_path) -> None:
-    """Tied embeddings, sliding windows (Mistral's, Mixtral's, Qwen2's when every layer slides) and llama3 rope
-    scaling give the HF logits too, and the checkpoint converts HF -> mcore -> HF bit-exactly."""
+    """Tied embeddings, sliding windows (Mistral's, Mixtral's, Qwen2's when every layer slides), llama3 rope
+    scaling and top-1 routing without renormalisation (megatron's pre-softmax router) give the HF logits too, and the checkpoint converts HF -> mcore -> HF bit-exactly."""
     from ckpt_convert.convert import convert_hf_to_mcore, convert_mcore_to_hf
     from rl_core.testing.distributed import run_distributed
     from rl_core.testing.tiny_models import save_tiny_checkpoint
@@ -137,6 +138,17 @@ def test_config_variants_match_hf(arch: str, overrides: dict, tmp_path) -> None:
     original, restored = _load_hf_weights(path), _load_hf_weights(back)
     assert sorted(original) == sorted(restored)
     assert all(torch.equal(original[k], restored[k]) for k in original)
+
+
+@pytest.mark.parametrize(("arch", "overrides"), [("mixtral", {"num_experts_per_tok": 1}),
+                                               ("qwen3_moe", {"num_experts_per_tok": 1, "norm_topk_prob": True})])
+def test_top1_routing_with_renormalised_weights_is_refused(arch: str, overrides: dict) -> None:
+    """The chosen expert weighted 1.0 has no megatron router: a clear error, not megatron's CLI hint
+    'Please use --moe-router-pre-softmax when topk is 1.' (whose model would weigh it by its probability)."""
+    from rl_core.testing.tiny_models import tiny_config
+
+    with pytest.raises(ValueError, match=r"num_experts_per_tok=1 and renormalised routing weights .* no megatron"):
+        mcore_model_config(tiny_config(arch, **overrides))
 
 
 def test_sliding_window_on_some_layers_only_is_refused() -> None:

@@ -122,10 +122,10 @@ def test_selected_by_megatron_cfg_enabled(tiny_ckpt) -> None:
     assert run_distributed(_registry, world_size=1, args=(tiny_ckpt("qwen2"),)) == ["MegatronEngine"]
 
 
-def _save_at_dp2(rank: int, world_size: int, ckpt: str, save_dir: str) -> dict:
+def _save_at_dp2(rank: int, world_size: int, ckpt: str, save_dir: str, megatron_cfg: dict | None = None) -> dict:
     from engine_megatron.engine import MegatronEngine
 
-    engine = MegatronEngine(make_policy(ckpt, {}, **SCHEDULE))
+    engine = MegatronEngine(make_policy(ckpt, megatron_cfg or {}, **SCHEDULE))
     indices = dp_indices(8, engine.dp_rank, engine.dp_size)
     batch = global_batch(3).select(indices)
     _train(engine, batch, 2)
@@ -157,6 +157,28 @@ def test_checkpoint_reshards_from_dp2_to_dp1(tiny_ckpt, tmp_path: Path) -> None:
     assert m1["lr"] == m2["lr"] and abs(m1["loss"] - m2["loss"]) <= 1e-6, (m1, m2)
     assert abs(m1["grad_norm"] / m2["grad_norm"] - 1) <= 1e-6, (m1, m2)
     assert max_abs_diff(by_index(dp1, "after"), by_index(dp2, "after")) <= 1e-5
+
+
+def _load_error(rank: int, world_size: int, ckpt: str, save_dir: str) -> str:
+    from engine_megatron.engine import MegatronEngine
+
+    engine = MegatronEngine(make_policy(ckpt, {}, **SCHEDULE))
+    with pytest.raises(ValueError) as exc:
+        engine.load_checkpoint(save_dir)
+    return str(exc.value)
+
+
+@pytest.mark.distributed
+def test_a_checkpoint_saved_under_expert_parallel_is_refused_at_ep1_with_the_fix(tiny_ckpt, tmp_path: Path) -> None:
+    """Under EP > 1 megatron chains a second optimizer for the experts (state keys `chained_1.`), under EP = 1 one
+    holds all: dist_checkpointing cannot load one into the other (a KeyError deep in its load). Refused before
+    loading, naming the key and the values that work."""
+    ckpt, save_dir = tiny_ckpt("qwen3_moe"), str(tmp_path / "ep2")
+    run_distributed(_save_at_dp2, world_size=2, args=(ckpt, save_dir, {"expert_model_parallel_size": 2}))
+    message = run_distributed(_load_error, world_size=1, args=(ckpt, save_dir))[0]
+    assert re.search(r"saved with expert_model_parallel_size=2 and this engine runs "
+                     r"policy\.megatron_cfg\.expert_model_parallel_size=1.*resume with "
+                     r"policy\.megatron_cfg\.expert_model_parallel_size > 1", message), message
 
 
 def _convert_on_two_nodes(rank: int, world_size: int, ckpt: str, root: str) -> tuple[bool, bool]:

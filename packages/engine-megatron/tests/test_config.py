@@ -236,3 +236,24 @@ def test_sequence_multiple_from_the_config_is_the_one_the_planner_uses(monkeypat
                                 use_cuda=True)
     planned = settings.pack_multiple if settings.packing else settings.seq_multiple  # as batching.plan
     assert MegatronEngine.sequence_multiple(policy) == planned == expected
+
+
+@pytest.mark.parametrize(("arch", "hf_overrides", "megatron_cfg", "message"), [
+    ("qwen3_moe", {}, {"tensor_model_parallel_size": 2, "sequence_parallel": False},
+     r"sequence_parallel=false with tensor_model_parallel_size=2 on a model with experts"),
+    ("qwen3_moe", {}, {"tensor_model_parallel_size": 2, "expert_tensor_parallel_size": 1},
+     r"expert_tensor_parallel_size=1 with tensor_model_parallel_size=2 needs expert_model_parallel_size > 1"),
+    ("mixtral", {"num_experts_per_tok": 1}, {}, r"num_experts_per_tok=1 and renormalised routing weights"),
+    ("qwen3_moe", {"mlp_only_layers": [0]}, {}, r"Qwen3-MoE with dense layers"),
+    ("qwen2", {}, {"pipeline_model_parallel_size": 3}, r"pipeline_model_parallel_size=3 must divide"),
+])
+def test_check_model_refuses_what_the_workers_would(tmp_path, arch, hf_overrides, megatron_cfg, message) -> None:
+    """What the engine found only in its workers (megatron's MoE layer at the first training step, the conversion
+    at start-up), found by the trainer's preflight from config.json alone."""
+    from engine_megatron.engine import MegatronEngine
+
+    tiny_config(arch, **hf_overrides).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        MegatronEngine.check_model(make_policy(str(tmp_path), megatron_cfg))
+    tiny_config("qwen3_moe", num_experts_per_tok=1, norm_topk_prob=False).save_pretrained(tmp_path)
+    MegatronEngine.check_model(make_policy(str(tmp_path), {"tensor_model_parallel_size": 2}))  # megatron's router

@@ -127,6 +127,12 @@ def _read_conversion_metadata(ckpt_dir: str | os.PathLike) -> dict[str, Any]:
     return read_json(path)
 
 
+def saved_layout(ckpt_dir: str | os.PathLike) -> dict[str, int]:
+    """The parallel layout (`tp`, `pp`, `ep`) a checkpoint's `ckpt_convert.json` records it was written at."""
+    saved = _read_conversion_metadata(ckpt_dir)
+    return {key: int(saved.get(key, 1)) for key in ("tp", "pp", "ep")}
+
+
 def saved_lora(ckpt_dir: str | os.PathLike) -> dict[str, Any] | None:
     """The `lora` section of a checkpoint's `ckpt_convert.json` (None: no adapters); ValueError for one written
     before LoRA checkpoints held the adapters alone (no base model recorded)."""

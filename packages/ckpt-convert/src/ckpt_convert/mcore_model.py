@@ -145,6 +145,12 @@ def _moe_fields(hf: Any, arch: str) -> dict:
         pre_softmax = not getattr(hf, "norm_topk_prob", False)
     else:  # Mixtral: top-k on the logits, softmax over the k selected
         num_experts, ffn, pre_softmax = hf.num_local_experts, hf.intermediate_size, False
+    if hf.num_experts_per_tok == 1 and not pre_softmax:
+        # top-1 renormalised weighs the chosen expert 1.0; megatron takes a top-1 only after a softmax over all
+        # experts (a softmax over one logit has no gradient) and weighs it by its probability: another model
+        raise ValueError(f"{arch} with num_experts_per_tok=1 and renormalised routing weights (the chosen expert "
+                         "weighted 1.0) has no megatron equivalent: megatron routes top-1 only after a softmax over "
+                         "all experts, weighting the expert by its probability")
     return dict(num_moe_experts=num_experts, moe_router_topk=hf.num_experts_per_tok, moe_ffn_hidden_size=ffn,
                 moe_router_pre_softmax=pre_softmax, moe_grouped_gemm=False,
                 moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0, moe_router_dtype="fp32")

@@ -273,6 +273,30 @@ def resolve_settings(policy: PolicyConfig, cfg: MegatronConfig, hf_config: Any, 
     if world_size % model_parallel:
         raise ConfigError(f"world size {world_size} is not divisible by TP*PP*CP = {cfg.tp}*{cfg.pp}*{cfg.cp}; "
                           f"change {section}.tensor/pipeline/context_model_parallel_size or the number of ranks")
+    check_model_layout(policy, cfg, hf_config)
+    packing = policy.sequence_packing.enabled
+    attention = attention_backend(use_cuda, cfg.lora_cfg.enabled)
+    if cfg.cp > 1 and attention != "transformer_engine":
+        raise ConfigError(f"{section}.context_parallel_size={cfg.cp} needs CUDA and transformer-engine (megatron's "
+                          "local attention has no context parallelism), and LoRA off (it takes the local layer "
+                          "spec); install transformer-engine, or use context_parallel_size=1")
+    if (world_size // model_parallel) * cfg.cp * cfg.tp % (cfg.ep * cfg.etp):
+        raise ConfigError(f"{section}.expert_model_parallel_size={cfg.ep} x expert_tensor_parallel_size={cfg.etp} "
+                          f"(unset: = TP) must divide DP*CP*TP = {world_size // model_parallel * cfg.cp * cfg.tp}")
+    if cfg.sequence_parallel and cfg.tp == 1:
+        logger.warning("%s.sequence_parallel=true with TP=1 does nothing; turning it off", section)
+    sp = sequence_parallel_on(cfg)
+    pack_multiple, seq_multiple = length_multiples(cfg)
+    overrides = _automatic_overrides(cfg, use_cuda, section)
+    return ResolvedSettings(sequence_parallel=sp, packing=packing, pack_multiple=pack_multiple,
+                            seq_multiple=seq_multiple, transformer_overrides=overrides, use_cuda=use_cuda,
+                            attention=attention)
+
+
+def check_model_layout(policy: PolicyConfig, cfg: MegatronConfig, hf_config: Any) -> None:
+    """The checks of the parallel layout against the model that need no world size or device: the trainer's
+    preflight runs them (MegatronEngine.check_model) before any worker starts."""
+    section = policy.engine_options_key
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     if heads % cfg.tp or kv_heads % cfg.tp:
@@ -281,15 +305,9 @@ def resolve_settings(policy: PolicyConfig, cfg: MegatronConfig, hf_config: Any, 
     num_layers = hf_config.num_hidden_layers
     if num_layers % cfg.pp:
         raise ConfigError(f"{section}.pipeline_model_parallel_size={cfg.pp} must divide num_hidden_layers={num_layers}")
-    packing = policy.sequence_packing.enabled
-    if cfg.cp > 1 and not packing:
+    if cfg.cp > 1 and not policy.sequence_packing.enabled:
         raise ConfigError(f"{section}.context_parallel_size={cfg.cp} needs packed sequences: set "
                           "policy.sequence_packing.enabled=true (CP shards the load-balanced packed layout)")
-    attention = attention_backend(use_cuda, cfg.lora_cfg.enabled)
-    if cfg.cp > 1 and attention != "transformer_engine":
-        raise ConfigError(f"{section}.context_parallel_size={cfg.cp} needs CUDA and transformer-engine (megatron's "
-                          "local attention has no context parallelism), and LoRA off (it takes the local layer "
-                          "spec); install transformer-engine, or use context_parallel_size=1")
     num_experts = getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None)
     if cfg.ep > 1 and (not num_experts or num_experts % cfg.ep):
         raise ConfigError(f"{section}.expert_model_parallel_size={cfg.ep} must divide the number of experts "
@@ -299,17 +317,10 @@ def resolve_settings(policy: PolicyConfig, cfg: MegatronConfig, hf_config: Any, 
                           "needs expert_model_parallel_size > 1: with EP=1 megatron reduces expert gradients like "
                           "dense ones, and the experts' copies on the TP ranks drift apart; leave "
                           "expert_tensor_parallel_size unset (= TP)")
-    if (world_size // model_parallel) * cfg.cp * cfg.tp % (cfg.ep * cfg.etp):
-        raise ConfigError(f"{section}.expert_model_parallel_size={cfg.ep} x expert_tensor_parallel_size must divide "
-                          f"DP*CP*TP = {world_size // model_parallel * cfg.cp * cfg.tp}")
-    if cfg.sequence_parallel and cfg.tp == 1:
-        logger.warning("%s.sequence_parallel=true with TP=1 does nothing; turning it off", section)
-    sp = sequence_parallel_on(cfg)
-    pack_multiple, seq_multiple = length_multiples(cfg)
-    overrides = _automatic_overrides(cfg, use_cuda, section)
-    return ResolvedSettings(sequence_parallel=sp, packing=packing, pack_multiple=pack_multiple,
-                            seq_multiple=seq_multiple, transformer_overrides=overrides, use_cuda=use_cuda,
-                            attention=attention)
+    if num_experts and cfg.tp > 1 and not sequence_parallel_on(cfg):
+        raise ConfigError(f"{section}.sequence_parallel=false with tensor_model_parallel_size={cfg.tp} on a model with "
+                          "experts: megatron's MoE layer refuses to train under TP without sequence parallelism; "
+                          f"remove {section}.sequence_parallel (it is on by default under TP)")
 
 
 def _fusions(cfg: MegatronConfig, use_cuda: bool, section: str) -> dict[str, bool]:

@@ -31,7 +31,14 @@ from torch import Tensor
 
 from engine_megatron import batching, checkpoint, lora
 from engine_megatron.compat import device_context, prepare_device
-from engine_megatron.config import MegatronConfig, parse_megatron_config, planning_multiple, resolve_settings
+from engine_megatron.config import (
+    MegatronConfig,
+    check_model_layout,
+    parse_megatron_config,
+    planning_multiple,
+    resolve_settings,
+    sequence_parallel_on,
+)
 from engine_megatron.model import (
     adapter_export,
     build_ddp_model,
@@ -95,9 +102,13 @@ class MegatronEngine(TrainingEngine):
         from ckpt_convert.mcore_model import load_hf_config, mcore_model_config
 
         hf_config = load_hf_config(policy.model_name, source="policy.model_name")
-        lora_cfg = cls.validate_config(policy).lora_cfg
-        if lora_cfg.enabled:
-            lora.select_targets(mcore_model_config(hf_config), lora_cfg)
+        cfg = cls.validate_config(policy)
+        check_model_layout(policy, cfg, hf_config)
+        # the mapping itself (an MoE routing or layer mix megatron cannot express) and megatron's own config checks
+        model_cfg = mcore_model_config(hf_config, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, etp=cfg.etp, cp=cfg.cp,
+                                       sequence_parallel=sequence_parallel_on(cfg))
+        if cfg.lora_cfg.enabled:
+            lora.select_targets(model_cfg, cfg.lora_cfg)
 
     @classmethod
     def checkpoint_to_hf(cls, checkpoint_dir: str, out_dir: str, *, model_dir: str) -> None:
@@ -258,8 +269,27 @@ class MegatronEngine(TrainingEngine):
     def load_checkpoint(self, path: str) -> None:
         """Restore `save_checkpoint`'s state; with LoRA onto the base model this engine loaded, which must be the
         one the adapters were trained on (ValueError naming policy.model_name otherwise)."""
-        check = self._check_lora_base if self.lora_base is not None else None
-        checkpoint.load(path, self.model, self.optimizer, self.scheduler, check, adapters_only=check is not None)
+        checkpoint.load(path, self.model, self.optimizer, self.scheduler, self._check_saved_files,
+                        adapters_only=self.lora_base is not None)
+
+    def _check_saved_files(self, directory: Path) -> None:
+        self._check_expert_layout(directory)
+        if self.lora_base is not None:
+            self._check_lora_base(directory)
+
+    def _check_expert_layout(self, directory: Path) -> None:
+        """ValueError if `directory` was saved with EP = 1 and this engine runs EP > 1, or the reverse: megatron
+        gives the experts an optimizer of their own only under EP > 1 (a chained optimizer, its state under other
+        keys), and dist_checkpointing does not map one layout's keys onto the other's."""
+        from ckpt_convert.convert import saved_layout
+
+        saved_ep = saved_layout(directory)["ep"]
+        if self.model_cfg.is_moe and (saved_ep > 1) != (self.cfg.ep > 1):
+            key = f"{self.policy.engine_options_key}.expert_model_parallel_size"
+            raise ValueError(f"{directory} was saved with expert_model_parallel_size={saved_ep} and this engine runs "
+                             f"{key}={self.cfg.ep}: megatron keeps the experts' optimizer state apart only under EP > 1, "
+                             "and its checkpoints do not reshard between EP = 1 and EP > 1; resume with "
+                             f"{key}{' > 1' if saved_ep > 1 else '=1'} (TP, PP, DP and another EP > 1 may change)")
 
     def _check_lora_base(self, directory: Path) -> None:
         """ValueError unless checkpoint `directory` holds adapters trained on this engine's base model."""

@@ -46,8 +46,9 @@ def select_targets(model_cfg: Any, cfg: shared.LoRAConfig) -> list[str]:
     """The HF modules that get an adapter (rl_core.lora.select_modules); ConfigError on a model with experts."""
     if model_cfg.is_moe:
         raise ConfigError(f"{cfg.key}.enabled=true: the Megatron engine has no LoRA for mixture-of-experts models "
-                          f"({model_cfg.arch}: its experts are grouped linears without adapters); train every weight "
-                          f"(set {cfg.key}.enabled=false) or use a dense model")
+                          f"({model_cfg.arch}: its experts, megatron MoE layers, take no adapters); train every "
+                          f"weight (set {cfg.key}.enabled=false), use the DTensor engine (adapters on the attention "
+                          "layers) or a dense model")
     return shared.select_modules(candidate_modules(model_cfg), cfg, model_cfg.arch)
 
 
