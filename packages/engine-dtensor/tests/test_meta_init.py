@@ -136,3 +136,17 @@ def test_check_model_refuses_a_model_without_decoder_layers_from_its_config(tmp_
     with pytest.raises(ValueError, match=r"GPT2LMHeadModel has no `model.layers` ModuleList.*Llama, Qwen2"):
         DTensorEngine.check_model(make_policy(str(tmp_path)))
     DTensorEngine.check_model(make_policy(str(save_tiny_checkpoint(tmp_path / "qwen2", "qwen2"))))
+
+
+@pytest.mark.parametrize(("arch", "message"), [
+    ("qwen3_moe", r"tensor_parallel_size=2 is not supported for model_type 'qwen3_moe'"),
+    ("llama", r"num_key_value_heads=\d+ is not divisible by policy\.dtensor_cfg\.tensor_parallel_size=4"),
+])
+def test_check_model_refuses_a_tensor_parallel_size_the_model_has_no_plan_for(tmp_path, arch, message):
+    """Found by the policy actors after Ray and the model load before; from config.json now (the preflight)."""
+    from rl_core.testing.tiny_models import tiny_config
+
+    tiny_config(arch).save_pretrained(tmp_path)
+    tp = 2 if arch == "qwen3_moe" else 4
+    with pytest.raises(ValueError, match=message):
+        DTensorEngine.check_model(make_policy(str(tmp_path), dtensor_cfg={"tensor_parallel_size": tp}))

@@ -29,7 +29,7 @@ from engine_dtensor.forward import ModelInputs, build_packed_inputs, build_padde
 from engine_dtensor.loading import attention_softcap, build_meta_model, materialize
 from engine_dtensor.optim import build_optimizer, build_scheduler, clip_grads_
 from engine_dtensor.parallel_dims import ParallelDims
-from engine_dtensor.parallelize import decoder_layers, parallelize
+from engine_dtensor.parallelize import check_tp_supported, decoder_layers, parallelize
 from rl_core.batch import LossFn, LossInputs, StepResult, TokenBatch
 from rl_core.config import PolicyConfig, micro_batch_limits
 from rl_core.distributed import init_process_group
@@ -93,15 +93,19 @@ class DTensorEngine(TrainingEngine):
 
     @classmethod
     def check_model(cls, policy: PolicyConfig) -> None:
-        """ValueError if `policy.model_name` has no decoder layers to wrap, or LoRA's target / exclude modules match
-        none of its linear layers; built on the meta device (config.json only), so the trainer's preflight finds
-        it before Ray instead of the policy actors after the model load."""
-        lora_cfg = cls.validate_config(policy).lora_cfg
+        """ValueError if `policy.model_name` has no decoder layers to wrap, no TP plan for the configured
+        tensor_parallel_size, or LoRA's target / exclude modules match none of its linear layers; built on the meta
+        device (config.json only), so the trainer's preflight finds it before Ray instead of the policy actors after
+        the model load."""
+        cfg = cls.validate_config(policy)
+        lora_cfg = cfg.lora_cfg
         model = build_meta_model(policy.model_name, "eager")
         try:
             decoder_layers(model)
         except TypeError as exc:
             raise ValueError(str(exc)) from None
+        if cfg.tensor_parallel_size > 1:
+            check_tp_supported(model, cfg.tensor_parallel_size)
         if lora_cfg.enabled:
             lora.select_targets(model, lora_cfg)
 

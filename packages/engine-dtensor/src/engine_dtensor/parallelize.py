@@ -169,7 +169,9 @@ def _layer_plan(layer: nn.Module, sequence_parallel: bool) -> dict[str, Parallel
     return plan
 
 
-def _check_tp_supported(model: nn.Module, tp: int) -> None:
+def check_tp_supported(model: nn.Module, tp: int) -> None:
+    """ValueError unless the model has a TP plan here that `tp` divides (the engine's check_model calls it on the
+    meta model, before any worker starts)."""
     config = model.config
     if config.model_type not in TP_MODEL_TYPES:
         raise ValueError(
@@ -191,7 +193,7 @@ def _check_tp_supported(model: nn.Module, tp: int) -> None:
 
 def apply_tp(model: nn.Module, mesh: DeviceMesh, cfg: DTensorConfig) -> None:
     """Shard attention heads, MLP columns and the vocabulary (embedding, lm_head) over `mesh` (tp)."""
-    _check_tp_supported(model, mesh.size())
+    check_tp_supported(model, mesh.size())
     sp = cfg.sequence_parallel
     top_plan: dict[str, ParallelStyle] = {
         # vocab-sharded embedding; with SP its output is reduce-scattered over the sequence
