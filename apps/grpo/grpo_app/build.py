@@ -162,6 +162,8 @@ def find_resume_point(cfg: GRPOConfig, known_damaged: Mapping[Path, str] | None 
     engine layout or the task (unless checkpointing.allow_config_change).
     """
     checkpoints = checkpoint_manager(cfg)
+    if checkpoints is None:
+        _refuse_to_start_over_a_checkpointed_run(cfg)
     point = checkpoints.newest_intact(known_damaged) if checkpoints is not None else None
     if point is not None:
         check_identity(point, run_identity(cfg), allow_change=cfg.checkpointing.allow_config_change)
@@ -170,6 +172,17 @@ def find_resume_point(cfg: GRPOConfig, known_damaged: Mapping[Path, str] | None 
                                   f"set grpo.max_steps >= {point.step} to continue this run, or a new "
                                   "logger.log_dir to start another")
     return point
+
+
+def _refuse_to_start_over_a_checkpointed_run(cfg: GRPOConfig) -> None:
+    """checkpointing.enabled=false on a run directory with checkpoints would start at step 0 and rewrite the run's
+    metrics.jsonl and TensorBoard events: its history, and the records a later resume from those checkpoints keeps."""
+    listed = CheckpointManager(cfg.checkpoint_dir, keep_top_k=1, metric="", higher_is_better=True).steps()
+    if listed:
+        raise CheckpointError(
+            f"checkpointing.enabled=false, but {cfg.checkpoint_dir} holds checkpoints of a run (step_{listed[-1]} the "
+            f"newest): starting over would rewrite the metrics in {cfg.logger.log_dir}. Set checkpointing.enabled=true "
+            "to resume it, or another logger.log_dir for a new run")
 
 
 def build_run(cfg: GRPOConfig, inputs: RunInputs, resume_point: ResumePoint | None = None) -> Run:

@@ -72,7 +72,8 @@ class CheckpointManager:
         if not self.root.is_dir():
             return []
         names = (p.name for p in self.root.glob("step_*") if p.is_dir())
-        return sorted(int(name[5:]) for name in names if name[5:].isdigit())
+        # the names this class writes only: `step_04` (renamed by hand) is no `step_4`, which a later prune renames
+        return sorted(int(name[5:]) for name in names if name[5:].isdigit() and name == f"step_{int(name[5:])}")
 
     def save(self, step: int, save_engine: Callable[[str], None], state: dict[str, Any],
              files: dict[str, bytes] | None = None, save_hf: Callable[[str], None] | None = None) -> Path:
@@ -93,7 +94,7 @@ class CheckpointManager:
                 (tmp / name).write_bytes(data)
             write_manifest(tmp)
         logger.info("checkpoint saved: %s", final)
-        self._prune()
+        self._prune(saved=step)
         return final
 
     def load_state(self, path: Path) -> dict[str, Any]:
@@ -152,22 +153,26 @@ class CheckpointManager:
                 f"{self.root.name} itself, copy it into an empty directory and set checkpointing.dir to that)")
 
     def _score(self, step: int) -> float | None:
-        try:
-            state = self.load_state(self.root / f"step_{step}")
-        except CheckpointError:  # a damaged checkpoint ranks last
+        path = self.root / f"step_{step}"
+        try:  # a damaged checkpoint ranks last (its trainer_state.json may read well: a newer damaged step outranked
+            verify_manifest(path, sizes_only_under=(POLICY_DIR,))  # the intact one resumed from)
+            state = self.load_state(path)
+        except CheckpointError:
             return None
         value = state.get("checkpoint_metric")
         if value is None or state.get("checkpoint_metric_name", self.metric) != self.metric:
             return None  # scored by another checkpointing.metric (a resumed run changed it): not comparable
         return value if self.higher_is_better else -value
 
-    def _prune(self) -> None:
+    def _prune(self, saved: int) -> None:
+        """Keep the `keep_top_k` best intact checkpoints and the one just `saved` (what a resume starts from; not the
+        highest-numbered directory, which may be a damaged one the run resumed before)."""
         steps = self.steps()
         if len(steps) <= self.keep_top_k:
             return
         scores = {s: self._score(s) for s in steps}
         scored = sorted(steps, key=lambda s: (scores[s] is not None, scores[s] or 0.0, s), reverse=True)
-        keep = set(scored[: self.keep_top_k]) | {steps[-1]}
+        keep = set(scored[: self.keep_top_k]) | {saved}
         for step in steps:
             if step not in keep:
                 self._delete(step)
@@ -201,6 +206,7 @@ def run_identity(cfg: Any) -> dict[str, Any]:
     """What a checkpoint can only be resumed under: the model, the engine and its layout, its adapters, the task."""
     policy = cfg.policy
     identity = {"policy.model_name": policy.model_name, "policy.engine": policy.engine_name,
+                "policy.optimizer.name": policy.optimizer.name,
                 "cluster.train_world_size": cfg.cluster.train_world_size, "env.name": cfg.env.name}
     lora = _lora_settings(policy)
     if lora is not None:
@@ -233,8 +239,9 @@ def _lora_settings(policy: Any) -> Any | None:
 
 def _never_loads(key: str) -> bool:
     """An identity key whose change no override can resume across: the engine (its own checkpoint format), the
-    LoRA adapters (which tensors there are) and the base model they were trained on."""
-    return key == "policy.engine" or key.endswith((f".{ADAPTERS_KEY}", f".{ADAPTERS_KEY}.{BASE_MODEL_KEY}"))
+    optimizer (its state: Adam's moments are not SGD's momentum), the LoRA adapters (which tensors there are) and the
+    base model they were trained on."""
+    return key in ("policy.engine", "policy.optimizer.name") or key.endswith((f".{ADAPTERS_KEY}", f".{ADAPTERS_KEY}.{BASE_MODEL_KEY}"))
 
 
 def check_identity(resume_point: ResumePoint, identity: dict[str, Any], *, allow_change: bool) -> None:
@@ -261,7 +268,7 @@ def check_identity(resume_point: ResumePoint, identity: dict[str, Any], *, allow
     if unloadable:  # the load would fail inside the policy actors, after Ray and the model load
         raise CheckpointError(
             f"{resume_point.path} cannot load into this run ({'; '.join(unloadable)}): another engine's checkpoint "
-            "format, other LoRA adapters (other tensor names and shapes), or LoRA adapters trained on another base "
+            "format, another optimizer's state, other LoRA adapters (other tensor names and shapes), or LoRA adapters trained on another base "
             f"model (`{BASE_MODEL_KEY}`: a fingerprint of its weight files), so not even "
             "checkpointing.allow_config_change=true resumes it. Use the checkpoint's values (point policy.model_name at "
             "the base model the run was trained on), or start a new run "

@@ -199,6 +199,50 @@ def test_keep_top_k_by_metric_and_always_the_latest(tmp_path):
     assert manager.newest_intact().step == 5
 
 
+def test_keep_top_k_keeps_the_checkpoint_just_saved_not_a_newer_damaged_one(tmp_path, caplog):
+    """A damaged step_6 (its manifest gone, its trainer_state.json still reading well) and a run resumed from step_4
+    that saves step_5: the damaged one used to outrank step_4 by its score and stand in for 'the latest', so step_4
+    and the step_5 just saved were deleted (a kill then rolled back to step_2)."""
+    manager = CheckpointManager(tmp_path, keep_top_k=3, metric="m", higher_is_better=True)
+    for step, metric in [(2, 0.1), (4, 0.5), (6, 0.9)]:
+        manager.save(step, fake_engine_save, {"step": step, "checkpoint_metric": metric})
+    (tmp_path / "step_6" / "MANIFEST.json").unlink()
+    assert manager.newest_intact().step == 4
+    manager.keep_top_k = 1
+    manager.save(5, fake_engine_save, {"step": 5, "checkpoint_metric": 0.3})
+    assert manager.steps() == [4, 5]  # the best intact one and the one just saved
+    assert manager.newest_intact().step == 5
+
+
+def test_a_step_directory_renamed_by_hand_is_no_checkpoint(tmp_path):
+    """`step_04` is not `step_4`: read as step 4, it was warned about under a path that does not exist, and the
+    next prune renamed step_4 twice (FileNotFoundError, every later run of the directory)."""
+    manager = save_two(tmp_path)
+    (tmp_path / "step_2").rename(tmp_path / "step_02")
+    assert manager.steps() == [1] and manager.newest_intact().step == 1
+    manager.keep_top_k = 1
+    manager.save(3, fake_engine_save, {"step": 3, "checkpoint_metric": None})
+    assert manager.steps() == [3] and (tmp_path / "step_02").is_dir()
+
+
+def test_checkpointing_disabled_on_a_run_with_checkpoints_is_refused_and_keeps_its_metrics(tmp_path, caplog,
+                                                                                             monkeypatch):
+    """It started at step 0 and rewrote metrics.jsonl and the TensorBoard events (a later resume from the
+    checkpoints found the history of the steps before them gone)."""
+    import grpo_app.main as cli
+
+    monkeypatch.setattr(cli, "preflight", lambda cfg: cfg)
+    monkeypatch.setattr(cli, "load_inputs", lambda cfg: None)
+    monkeypatch.setattr(cli, "run_training", lambda *args: pytest.fail("the run started"))
+    log_dir = tmp_path / "run"
+    save_two(log_dir / "checkpoints")
+    (log_dir / "metrics.jsonl").write_text('{"step": 0, "train/loss": 1.0}\n')
+    with caplog.at_level(logging.ERROR):
+        assert cli.main([f"logger.log_dir={log_dir}", "checkpointing.enabled=false"]) == 2
+    assert "checkpointing.enabled=false, but" in caplog.text and "step_2 the newest" in caplog.text
+    assert (log_dir / "metrics.jsonl").read_text() == '{"step": 0, "train/loss": 1.0}\n'
+
+
 def config(*overrides: str):
     return load_config(None, ["policy.model_name=tiny:qwen2", *overrides])
 
@@ -234,6 +278,7 @@ LORA = "policy.dtensor_cfg.lora_cfg"
     ([f"{LORA}.enabled=true"], [f"{LORA}.enabled=true", f"{LORA}.target_modules=[q_proj]"], LORA),
     ([f"{LORA}.enabled=true"], [f"{LORA}.enabled=true", f"{LORA}.exclude_modules=[q_proj]"], LORA),
     ([], ["policy.megatron_cfg.enabled=true"], "policy.engine"),  # another checkpoint format
+    ([], ["policy.optimizer.name=SGD", "policy.optimizer.kwargs={lr: 0.001}"], "policy.optimizer.name"),  # state
     (["policy.megatron_cfg.enabled=true", "policy.megatron_cfg.lora_cfg.enabled=true"],  # the Megatron engine's
      ["policy.megatron_cfg.enabled=true"], "policy.megatron_cfg.lora_cfg"),
 ])

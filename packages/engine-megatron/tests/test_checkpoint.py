@@ -227,6 +227,8 @@ CHANGED_OPTIMIZER = {"kwargs": {"lr": 1e-2, "weight_decay": 0.1, "betas": [0.8, 
 def _resume_with_changed_optimizer(rank: int, world_size: int, ckpt: str, save_dir: str) -> dict:
     """1 step, save; the same engine changes its optimizer settings in place, a fresh one with them in its
     config loads the checkpoint; both train 1 more step."""
+    import logging
+
     from engine_megatron.engine import MegatronEngine
 
     schedule = {"scheduler": {"warmup_steps": 3}}
@@ -235,6 +237,10 @@ def _resume_with_changed_optimizer(rank: int, world_size: int, ckpt: str, save_d
     _train(engine, batch, 1)
     engine.save_checkpoint(save_dir)
     resumed = MegatronEngine(make_policy(ckpt, {}, **schedule, optimizer=CHANGED_OPTIMIZER))
+    warnings: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("engine_megatron.checkpoint").addHandler(handler)
     resumed.load_checkpoint(save_dir)
 
     sched = engine.scheduler  # the reference: the change made in the running engine
@@ -244,7 +250,7 @@ def _resume_with_changed_optimizer(rank: int, world_size: int, ckpt: str, save_d
         group.update(betas=(0.8, 0.9), weight_decay=0.1, lr=sched.get_lr(group))
     metrics = [_train(e, batch, 1)[0] for e in (engine, resumed)]
     weights = [dict(e.export_hf_weights()) for e in (engine, resumed)]
-    return {"lr": [m["lr"] for m in metrics],
+    return {"lr": [m["lr"] for m in metrics], "warnings": warnings,
             "weights_equal": all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])}
 
 
@@ -255,6 +261,10 @@ def test_resume_follows_the_configured_optimizer_settings(tiny_ckpt, tmp_path: P
                              args=(tiny_ckpt("qwen2"), str(tmp_path / "step1")))[0]
     assert result["lr"] == [1e-2 * (2 / 3)] * 2
     assert result["weights_equal"]
+    # the log names every change, the lr and weight decay too (they were applied without a word)
+    changed = [w for w in result["warnings"] if "was saved with other optimizer settings" in w]
+    assert len(changed) == 1 and all(f in changed[0] for f in ("betas (0.9, 0.999) -> (0.8, 0.9)", "max_lr 0.001 -> 0.01",
+                                                                "start_wd 0.01 -> 0.1")), result["warnings"]
 
 
 def _load_without_metadata(rank: int, world_size: int, ckpt: str, save_dir: str) -> tuple[str, str]:

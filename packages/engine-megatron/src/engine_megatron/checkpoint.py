@@ -35,6 +35,8 @@ CONFIGURED_SETTINGS = ("betas", "eps", "momentum")
 # param-group keys the scheduler takes from policy.optimizer (the same in every group of this engine), which
 # megatron-core >= 0.19 also uses to pair saved groups with the current ones
 SCHEDULED_GROUP_KEYS = ("max_lr", "min_lr", "start_wd", "end_wd")
+# the scheduler's settings from policy.optimizer (lr, weight decay), which the config sets on resume (optim.py)
+SCHEDULER_SETTINGS = ("max_lr", "min_lr", "start_wd", "end_wd")
 
 
 def _sharded_state(model: Any, optimizer: Any, scheduler: Any, *, is_loading: bool,
@@ -111,10 +113,12 @@ def _saved_param_groups(state: Any) -> Iterator[list[dict[str, Any]]]:
             yield from _saved_param_groups(value)
 
 
-def _restore_configured_settings(path: str, optimizer: Any, configured: list[dict[str, Any]]) -> None:
+def _restore_configured_settings(path: str, optimizer: Any, configured: list[dict[str, Any]],
+                                 scheduled: list[str]) -> None:
     """The run's config, not the checkpoint, sets betas and eps: optimizer.load_state_dict brings back the saving
-    run's, which would silently override a changed policy.optimizer (the DTensor engine follows the config too)."""
-    changes = checkpoint_io.changed_settings(configured, _configured_settings(optimizer))
+    run's, which would silently override a changed policy.optimizer (the DTensor engine follows the config too).
+    `scheduled`: the changed lr / weight decay the scheduler applies (named in the same warning)."""
+    changes = sorted({*checkpoint_io.changed_settings(configured, _configured_settings(optimizer)), *scheduled})
     if changes:
         logger.warning("%s was saved with other optimizer settings; the configured ones apply: %s",
                        path, ", ".join(changes))
@@ -203,7 +207,11 @@ def load(path: str, model: Any, optimizer: Any, scheduler: Any, check_side_files
     _pair_saved_groups_with_the_config(state["optimizer"], optimizer)
     with torch.no_grad(), device_context():
         optimizer.load_state_dict(state["optimizer"])
-    _restore_configured_settings(path, optimizer, configured)
+    scheduled = ([] if scheduler.use_checkpoint_opt_param_scheduler else  # megatron_cfg.scheduler asked for the saved
+                 checkpoint_io.changed_settings([{key: getattr(scheduler, key) for key in SCHEDULER_SETTINGS}],
+                                                [{key: state["scheduler"][key] for key in SCHEDULER_SETTINGS
+                                                  if key in state["scheduler"]}]))
+    _restore_configured_settings(path, optimizer, configured, scheduled)
     scheduler.num_steps = 0  # megatron's load_state_dict adds the saved step count to the current one
     scheduler.load_state_dict(state["scheduler"])
     rng_file = Path(path, f"rng_rank{dist.get_rank()}.pt")
