@@ -128,7 +128,10 @@ class CheckpointManager:
                 continue
             try:
                 verify_manifest(path, sizes_only_under=(POLICY_DIR,))
-                return ResumePoint(path, self.load_state(path))
+                point = ResumePoint(path, self.load_state(path))
+                if point.step != step:  # a copy under another name: resuming would log steps it did not train
+                    raise CheckpointError(f"its {STATE_FILE} is of step {point.step} (copied or renamed?)")
+                return point
             except CheckpointError as exc:
                 logger.warning("checkpoint %s is damaged and skipped: %s", path, exc)
                 damaged.append(f"{path.name}: {exc}")

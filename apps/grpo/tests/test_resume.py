@@ -225,6 +225,17 @@ def test_a_step_directory_renamed_by_hand_is_no_checkpoint(tmp_path):
     assert manager.steps() == [3] and (tmp_path / "step_02").is_dir()
 
 
+def test_a_checkpoint_copied_under_another_step_name_is_skipped(tmp_path, caplog):
+    """A copy of step_1 named step_5 resumed 'from step_5 at step 1'; it is skipped as damaged now."""
+    import shutil
+
+    manager = save_two(tmp_path)
+    shutil.copytree(tmp_path / "step_1", tmp_path / "step_5")
+    with caplog.at_level(logging.WARNING):
+        assert manager.newest_intact().step == 2
+    assert "step_5 is damaged and skipped: its trainer_state.json is of step 1 (copied or renamed?)" in caplog.text
+
+
 def test_checkpointing_disabled_on_a_run_with_checkpoints_is_refused_and_keeps_its_metrics(tmp_path, caplog,
                                                                                              monkeypatch):
     """It started at step 0 and rewrote metrics.jsonl and the TensorBoard events (a later resume from the
