@@ -108,6 +108,9 @@ def drop_long_prompts(examples: list[PromptExample], limit: int | None, keys: st
     short of max_new_tokens, reported as a length cut-off) or not fit a micro-batch later."""
     if limit is None:
         return examples
+    if limit < 1:  # max_new_tokens alone fills the model's context
+        raise ValueError(f"no prompt fits: the prompt-length limit is {limit} tokens ({keys}); lower "
+                         "generation.max_new_tokens below the model's context")
     kept = [e for e in examples if len(e.prompt_token_ids) <= limit]
     if not kept:
         raise ValueError(f"every {source} prompt is longer than {limit} tokens ({keys}); raise that limit")
@@ -132,7 +135,11 @@ def load_inputs(cfg: GRPOConfig) -> RunInputs:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.policy.model_name)
-    train = PromptSource(load_prompts(cfg, tokenizer, "train"), cfg.grpo.seed)
+    examples = load_prompts(cfg, tokenizer, "train")
+    if len(examples) < cfg.grpo.num_prompts_per_step:
+        logger.warning("the train set has %d prompts, fewer than grpo.num_prompts_per_step=%d: every step repeats "
+                       "prompts (groups of one prompt twice in a step)", len(examples), cfg.grpo.num_prompts_per_step)
+    train = PromptSource(examples, cfg.grpo.seed)
     if not cfg.grpo.val_every:  # no validation: a task without built-in prompts needs no env.val_data
         return RunInputs(tokenizer=tokenizer, train=train, val=[])
     return RunInputs(tokenizer=tokenizer, train=train, val=load_val_prompts(cfg, tokenizer))

@@ -159,6 +159,19 @@ def check_optimizer(optimizer: OptimizerConfig) -> None:
                           f"{optimizer.name}: {exc}{hint}") from None
 
 
+def check_schedule(cfg: GRPOConfig) -> None:
+    """A decaying lr schedule shorter than the run holds the lr at min_lr_ratio x lr for the rest of it (0 by
+    default: steps that train nothing): said once, before the run."""
+    sched = cfg.policy.scheduler
+    samples = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
+    optimizer_steps = cfg.grpo.max_steps * max(1, samples // cfg.policy.train_global_batch_size)
+    if sched.decay != "constant" and sched.total_steps < optimizer_steps:
+        logger.warning("policy.scheduler.total_steps=%d is fewer than this run's %d optimizer steps (grpo.max_steps=%d): "
+                       "after it the lr stays at min_lr_ratio x lr = %g; set total_steps=%d to decay over the run",
+                       sched.total_steps, optimizer_steps, cfg.grpo.max_steps,
+                       sched.min_lr_ratio * float(cfg.policy.optimizer.kwargs["lr"]), optimizer_steps)
+
+
 def _model_parallel(engine_cfg: Any) -> dict[str, int]:
     """The model-parallel degrees an engine's validated section sets (megatron: tp/pp/cp; dtensor: TP)."""
     degrees = {name: getattr(engine_cfg, name) for name in ("tp", "pp", "cp") if hasattr(engine_cfg, name)}
@@ -496,8 +509,9 @@ def preflight(cfg: GRPOConfig, *, training: bool = True) -> GRPOConfig:
     check_kwargs(backend_cls, cfg.generation.backend_kwargs, "generation.backend_kwargs", given=("model_path",))
     check_backend_options(backend_cls, cfg.generation.backend_kwargs)
     check_backend_installed(cfg, backend_cls)
-    if training:  # eval logs to no W&B run
+    if training:  # eval logs to no W&B run, and steps no schedule
         check_wandb_installed(cfg.logger.wandb)
+        check_schedule(cfg)
     check_environment(cfg, training=training)
     check_reward_function(cfg)
     cfg = resolve_model(cfg)

@@ -4,6 +4,7 @@ separate prev-logprob pass runs, and the rollouts sampled ahead with grpo.async_
 from __future__ import annotations
 
 import json
+import logging
 import math
 import threading
 import time
@@ -461,3 +462,17 @@ def test_without_a_progress_bar_each_step_and_each_validation_is_a_log_line(tmp_
                         f"val/reward_mean={records[0]['val/reward_mean']:.4g} train/loss=0 "
                         f"timing/step_s={records[0]['timing/step_s']:.4g}")
     assert lines[3] == f"validation at step 2 (2 prompts): val/reward_mean={records[2]['val/reward_mean']:.4g}"
+
+
+def test_a_step_whose_groups_all_scored_alike_is_warned_about(caplog):
+    """A constant reward trained on nothing for the whole run (exit 0, loss 0, grad norm 0) without a log line."""
+    from rl_core.advantages import grpo_advantages
+
+    rewards, groups = torch.tensor([0.5] * 4 + [1.0] * 4), torch.tensor([0] * 4 + [1] * 4)
+    with caplog.at_level(logging.WARNING, logger="grpo_app.loop"):
+        loop.warn_if_no_advantage(3, rewards, grpo_advantages(rewards, groups))
+    assert "step 3: every group's completions got the same reward (reward_mean 0.75): all advantages are 0" in caplog.text
+    caplog.clear()
+    rewards[0] = 0.0
+    loop.warn_if_no_advantage(4, rewards, grpo_advantages(rewards, groups))
+    assert not caplog.text

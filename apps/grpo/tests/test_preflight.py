@@ -426,6 +426,10 @@ def test_prompts_longer_than_the_limit_are_dropped_with_a_warning(caplog):
     assert ("dropped 2 of 4 train (t.jsonl) prompts longer than 5 tokens (the longest: 12; the limit is "
             "env.max_prompt_tokens=5)") in caplog.text
     assert drop_long_prompts(examples, None, "", "train") is examples
+    # max_new_tokens filling the context: the limit is no length ('longer than -99488 tokens ... raise that limit')
+    with pytest.raises(ValueError, match=r"no prompt fits: the prompt-length limit is -3 tokens \(k\); lower "
+                                         r"generation.max_new_tokens below the model's context"):
+        drop_long_prompts(examples, -3, "k", "train")
 
 
 def test_prompt_limit_follows_max_model_len_and_an_empty_set_fails_before_ray(caplog):
@@ -723,3 +727,17 @@ def test_a_run_checkpoint_as_the_model_names_its_hf_copy_or_export(tmp_path):
     newest = tmp_path / "run/hf/step_10"
     with pytest.raises(ConfigError, match=rf"use its Hugging Face copy, policy.model_name={newest}$"):
         preflight(load_config(None, [f"policy.model_name={tmp_path / 'run'}"]))
+
+
+def test_a_decaying_schedule_shorter_than_the_run_is_warned_about(caplog):
+    """total_steps=2 with linear decay on a 3-step run: the lr was 0 from step 2 on, without a word."""
+    from grpo_app.preflight import check_schedule
+
+    cfg = load_config(None, ["grpo.max_steps=3", "policy.scheduler.decay=linear", "policy.scheduler.total_steps=2"])
+    with caplog.at_level(logging.WARNING, logger="grpo_app.preflight"):
+        check_schedule(cfg)
+    assert "policy.scheduler.total_steps=2 is fewer than this run's 3 optimizer steps" in caplog.text
+    caplog.clear()
+    check_schedule(load_config(None, ["grpo.max_steps=3", "policy.scheduler.decay=linear",
+                                      "policy.scheduler.total_steps=3"]))
+    assert not caplog.text

@@ -120,3 +120,18 @@ def test_a_split_or_subset_set_for_a_single_file_is_refused(tmp_path, override, 
     # the val split's default, "test", is no error for a file
     cfg = preflight(load_config(None, ["env.name=math", f"env.train_data={data}", f"env.val_data={data}"]))
     assert (cfg.env.val_data, cfg.env.val_split) == (str(data), "test")
+
+
+def test_a_train_set_smaller_than_a_step_is_warned_about(tmp_path, caplog):
+    """3 prompts and num_prompts_per_step=8 trained each prompt several times a step without a word."""
+    import json
+
+    from grpo_app.build import load_inputs
+
+    data = tmp_path / "three.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(3)))
+    cfg = preflight(load_config(None, ["env.name=math", f"env.train_data={data}", "grpo.val_every=0",
+                                       "grpo.num_prompts_per_step=8", "policy.train_global_batch_size=8"]))
+    with caplog.at_level(logging.WARNING, logger="grpo_app.build"):
+        load_inputs(cfg)
+    assert "the train set has 3 prompts, fewer than grpo.num_prompts_per_step=8: every step repeats" in caplog.text

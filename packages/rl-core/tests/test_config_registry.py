@@ -342,3 +342,16 @@ def test_garbage_of_the_parent_is_finalised_in_the_parent_not_in_a_forked_rank(t
     _Finalised(str(record))  # garbage now, collected by the next gc.collect()
     run_distributed(_collect, world_size=1)
     assert record.read_text().split() == [str(os.getpid())]
+
+
+@pytest.mark.parametrize(("scheduler", "message"), [
+    ({"min_lr_ratio": -1.0}, r"min_lr_ratio must be in \[0, 1\] \(a fraction of the lr\); got -1.0"),
+    ({"min_lr_ratio": 1.5}, r"min_lr_ratio must be in \[0, 1\]"),
+    ({"total_steps": 0}, r"total_steps >= 1"),
+    ({"warmup_steps": -2}, r"warmup_steps must be >= 0"),
+])
+def test_scheduler_values_that_would_train_backwards_or_divide_by_zero_are_refused(scheduler, message):
+    """min_lr_ratio=-1 with linear decay ran at lr -0.001 (exit 0, no warning): the model trained away from the
+    reward."""
+    with pytest.raises(ConfigError, match=message):
+        parse_config(PolicyConfig, {"model_name": "m", "scheduler": scheduler}, "policy")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 
@@ -73,6 +74,31 @@ def test_a_prompt_with_its_own_system_message_keeps_it_with_a_warning(tmp_path, 
                                             "system: Be brief.\nuser: yo\nassistant: "]
     assert ("1 of 2 prompts start with a system message of their own, which stays: the system prompt (the "
             "trainer's env.system_prompt) applies to the others only") in caplog.text
+
+
+def test_chat_prompts_ending_with_the_answer_or_refused_by_the_template_are_errors(tmp_path, tokenizer):
+    """SFT data ending with the assistant's answer rendered 'user: ...\nassistant: 2\nassistant: ' (the answer in
+    the prompt, exit 0); a template's raise_exception was a jinja traceback, exit 1."""
+    path = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": [{"role": "user", "content": "1+1?"},
+                                                            {"role": "assistant", "content": "2"}]}])
+    with pytest.raises(ValueError, match=r"record 1, field 'prompt': the last message is the assistant's"):
+        load_prompt_dataset(path, tokenizer, apply_chat_template=True)
+    strict = copy.deepcopy(tokenizer)
+    strict.chat_template = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+    with pytest.raises(ValueError, match=r"chat template .* failed on these messages: TemplateError: no system role"):
+        load_prompt_dataset(write_jsonl(tmp_path / "ok.jsonl", ROWS), strict, apply_chat_template=True,
+                            system_prompt="Be brief.")
+
+
+def test_a_non_utf8_byte_or_a_bom_is_named_with_its_line_and_the_fix(tmp_path, tokenizer):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"latin1\.jsonl:2: not UTF-8 text \(byte b'\\xe9' at column 16\); save "
+                                         r"the file as UTF-8"):
+        load_prompt_dataset(path, tokenizer)
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "a"}\n')
+    with pytest.raises(ValueError, match=r"starts with a UTF-8 byte order mark \(BOM\); save it as UTF-8 without BOM"):
+        load_prompt_dataset(path, tokenizer)
 
 
 def test_malformed_jsonl_line_names_file_and_line(tmp_path, tokenizer):

@@ -138,6 +138,17 @@ def test_a_raising_reward_names_its_own_line_first(tmp_path, monkeypatch):
         "<lambda>() got an unexpected keyword argument 'prompt'")
 
 
+def test_sys_exit_in_a_reward_is_a_failed_call_not_a_dead_worker():
+    """It killed the worker process, respawned for every call (~35 s a step, 'reward worker died (exit code 1)')."""
+    import sys
+
+    def score(**_):
+        sys.exit("no answer")
+
+    status, message = call_reward(score, {}, "p", "c", {})
+    assert status == "error" and message.startswith("SystemExit: no answer (at "), message
+
+
 def test_repeat_char_reward_gives_partial_credit():
     meta = {"target": "7"}
     score = lambda c: repeat_char_reward(prompt="ab:7", completion=c, metadata=meta)  # noqa: E731

@@ -4,6 +4,7 @@ memory limit, writes only to its scratch directory, no network (rollout._sandbox
 
 from __future__ import annotations
 
+import logging
 import socket
 import sys
 import textwrap
@@ -90,9 +91,13 @@ def test_one_hanging_call_costs_that_call_alone(probes):
         env.close()
 
 
-def test_failed_share_stops_the_run():
+def test_failed_share_stops_the_run(caplog):
     ok, bad = RewardResult(reward=1.0), RewardResult(reward=0.0, error="error: TypeError: returned None")
-    check_reward_failures([ok, bad, bad], 1.0, "env.max_failed_reward_fraction")  # default: only when all fail
+    with caplog.at_level(logging.WARNING, logger="rollout.environments.base"):
+        check_reward_failures([ok, bad, bad], 1.0, "env.max_failed_reward_fraction")  # default: only when all fail
+    # below the bound: said in the driver's log (it was only in the reward worker's)
+    assert ("2 of 3 reward calls failed and score 0 (the run stops at env.max_failed_reward_fraction=1.0); first: "
+            "error: TypeError: returned None") in caplog.text
     with pytest.raises(RewardFailureError, match=r"3 of 3 reward calls failed .*TypeError: returned None"):
         check_reward_failures([bad] * 3, 1.0, "env.max_failed_reward_fraction")
     with pytest.raises(RewardFailureError, match=r"2 of 3 .*env.max_failed_reward_fraction=0.5"):

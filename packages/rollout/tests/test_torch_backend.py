@@ -404,3 +404,23 @@ def test_paged_prefill_gives_the_packed_attention_its_lengths(tiny_ckpt, prompts
     params = SamplingParams(temperature=0.0, max_new_tokens=6)
     assert [c.token_ids for c in backend.generate(prompts, params)] == [c.token_ids for c in dense.generate(prompts, params)]
     assert reads == []
+
+
+def test_a_model_whose_configs_name_no_eos_stops_on_its_tokenizers(tmp_path):
+    """Without eos_token_id in config.json and generation_config.json every completion ran to max_new_tokens
+    (truncated_fraction 1.0, no warning); vLLM stops on the tokenizer's EOS, and so does this backend now."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "no-eos"
+    shutil.copytree(cached_tiny_checkpoint("qwen2"), model)
+    for name in ("config.json", "generation_config.json"):
+        if (model / name).exists():
+            data = json.loads((model / name).read_text())
+            data.pop("eos_token_id", None)
+            (model / name).write_text(json.dumps(data))
+    eos = AutoTokenizer.from_pretrained(model).eos_token_id
+    assert eos is not None
+    assert TorchGenerationBackend(model).eos_token_ids == [eos]

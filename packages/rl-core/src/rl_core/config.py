@@ -177,6 +177,14 @@ class SchedulerConfig:
     total_steps: int = 1000
     min_lr_ratio: float = 0.0
 
+    def __post_init__(self) -> None:
+        if self.warmup_steps < 0 or self.total_steps < 1:
+            raise ConfigError(f"policy.scheduler.warmup_steps must be >= 0 and total_steps >= 1; got "
+                              f"{self.warmup_steps} and {self.total_steps}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:  # below 0 the lr turns negative: the model trains away from the reward
+            raise ConfigError(f"policy.scheduler.min_lr_ratio must be in [0, 1] (a fraction of the lr); got "
+                              f"{self.min_lr_ratio}")
+
     def lr_factor(self, step: int) -> float:
         """Multiplier of the base lr at optimizer step `step` (0-based); every engine uses this formula.
 

@@ -60,8 +60,8 @@ def call_reward(fn: Any, kwargs: dict[str, Any], prompt: str, completion: str, m
     """('ok', reward, correct) or ('error', message): never raises."""
     try:
         value = fn(prompt=prompt, completion=completion, metadata=metadata, **kwargs)
-    except Exception as exc:  # a user function's bug scores 0; it must not stop the run
-        return ("error", describe_exception(exc))
+    except (Exception, SystemExit) as exc:  # a user function's bug scores 0; it must not stop the run (nor
+        return ("error", describe_exception(exc))  # sys.exit() kill the worker: respawned on every call)
     try:
         reward, correct = normalize_result(value)
     except TypeError as exc:  # the message says what came back; a traceback here would show only this module
@@ -69,7 +69,7 @@ def call_reward(fn: Any, kwargs: dict[str, Any], prompt: str, completion: str, m
     return ("ok", reward, correct)
 
 
-def describe_exception(exc: Exception) -> str:
+def describe_exception(exc: BaseException) -> str:
     """`Type: message (at file:line in function)` of the reward function's own frame (and of the innermost one
     where it raised, when that is another), then the traceback from the reward function down. The first line is
     what the logs keep (they cut a message at a few hundred characters), so it must name the user's line, not

@@ -56,8 +56,15 @@ def _check_jsonl(path: Path, prompt_key: str) -> int:
             _check_record(record, prompt_key, f"{path}: record {number}")
         return len(records)
     count = 0
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:  # named by line, and with the fix (it was the codec's bare message)
+                raise ValueError(f"{path}:{lineno}: not UTF-8 text (byte {raw[exc.start:exc.start + 1]!r} at column "
+                                 f"{exc.start + 1}); save the file as UTF-8") from None
+            if lineno == 1 and line.startswith("\ufeff"):
+                raise ValueError(f"{path} starts with a UTF-8 byte order mark (BOM); save it as UTF-8 without BOM")
             if not line.strip():
                 continue
             try:
@@ -256,8 +263,18 @@ def render_prompt(prompt: str | list[Mapping[str, str]], tokenizer: Any, *, appl
         return prompt
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(f"apply_chat_template=True but tokenizer {type(tokenizer).__name__} has no chat_template")
-    return tokenizer.apply_chat_template(chat_messages(prompt, system_prompt), tokenize=False,
-                                         add_generation_prompt=True)
+    messages = chat_messages(prompt, system_prompt)
+    if messages[-1].get("role") == "assistant":  # SFT data: the answer would be in the prompt the model continues
+        raise ValueError("the last message is the assistant's (an answer, as in SFT data): a GRPO prompt ends with "
+                         "the turn the model answers; drop the trailing assistant message (keep the answer in a field "
+                         "the reward reads, e.g. 'answer')")
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except TemplateError as exc:  # the model's template refused these messages (e.g. no system role)
+        raise ValueError(f"the tokenizer's chat template (policy.model_name's tokenizer_config.json or "
+                         f"chat_template.jinja) failed on these messages: {type(exc).__name__}: {exc}") from None
 
 
 def chat_messages(prompt: str | list[Mapping[str, str]], system_prompt: str | None = None) -> list[dict[str, str]]:

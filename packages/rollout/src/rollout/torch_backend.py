@@ -129,6 +129,10 @@ class TorchGenerationBackend:
             gen_cfg = getattr(self.model, "generation_config", None)
             eos_token_ids = _as_id_list(getattr(config, "eos_token_id", None))
             eos_token_ids += _as_id_list(getattr(gen_cfg, "eos_token_id", None))
+            if not eos_token_ids:  # neither config names one: the tokenizer's, as vLLM stops on (else: no stop at all)
+                from transformers import AutoTokenizer
+
+                eos_token_ids = _as_id_list(AutoTokenizer.from_pretrained(self.model_path).eos_token_id)
         self.eos_token_ids = sorted(set(int(t) for t in eos_token_ids))
         pad = getattr(config, "pad_token_id", None)
         self.pad_token_id = int(pad) if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)

@@ -72,11 +72,17 @@ class RewardFailureError(RuntimeError):
 def check_reward_failures(results: Sequence[RewardResult], max_failed_fraction: float, key: str) -> None:
     """Raise RewardFailureError when failed calls reach `max_failed_fraction` of `results` (config `key`)."""
     failed = [r for r in results if r.error is not None]
-    if failed and len(failed) >= max_failed_fraction * len(results):
+    if not failed:
+        return
+    first = failed[0].error.splitlines()[0][:300]
+    if len(failed) >= max_failed_fraction * len(results):
         raise RewardFailureError(
             f"{len(failed)} of {len(results)} reward calls failed (>= {key}={max_failed_fraction}); first: "
-            f"{failed[0].error.splitlines()[0][:300]}. Fix the reward function (or the prompt fields it reads), "
-            f"or raise {key} to train on")
+            f"{first}. Fix the reward function (or the prompt fields it reads), or raise {key} to train on")
+    # below the bound the run goes on, training on their zeros: said where the run's log is read, not only in the
+    # reward worker's
+    logger.warning("%d of %d reward calls failed and score 0 (the run stops at %s=%s); first: %s", len(failed),
+                   len(results), key, max_failed_fraction, first)
 
 
 def finite_rewards(results: Sequence[RewardResult]) -> list[RewardResult]:
