@@ -65,8 +65,13 @@ def read_safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]
 def _weight_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # truncated; no or a malformed weight_map
+            raise ConfigError(f"{index}: not a sharded-checkpoint index (a JSON object whose 'weight_map' maps "
+                              f"tensor names to files): {type(exc).__name__}: {exc}; re-save or re-download the "
+                              "checkpoint") from None
         for path in files:
             if not path.is_file():
                 raise ConfigError(f"{KEY}: {path} is listed in {index.name} but missing; re-download the checkpoint")
@@ -138,10 +143,12 @@ def check_model_dir(model_dir: str | Path) -> None:
     present: dict[str, tuple[int, ...]] = {}
     for path in _weight_files(model_dir):
         present.update({name: shape for name, (_, shape) in read_safetensors_header(path).items()})
+    # ValueError, TypeError, OSError, and huggingface_hub's strict-dataclass errors (a field of the wrong type, e.g.
+    # "num_hidden_layers": "2"), which derive from none of them
     try:
         config = AutoConfig.from_pretrained(model_dir)
-    except (ValueError, TypeError, OSError) as exc:
-        raise ConfigError(f"{config_path}: transformers cannot read it ({exc})") from None
+    except Exception as exc:
+        raise ConfigError(f"{config_path}: transformers cannot read it ({type(exc).__name__}: {exc})") from None
     model, expected, tied = _expected_parameters(config)
     present, merged = _model_names(model, present, expected)
     missing = sorted(set(expected) - set(present) - set(merged) - tied)

@@ -308,6 +308,19 @@ def _rewrite_weights(model_dir, edit):
     save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
 
 
+def test_a_config_field_of_the_wrong_type_or_a_broken_shard_index_is_one_line(caplog, model_dir):
+    """Both were tracebacks (huggingface_hub's StrictDataclassFieldValidationError; KeyError: 'weight_map'), exit 1."""
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "num_hidden_layers": "2"}))
+    code, text = run_main(caplog, f"policy.model_name={model_dir}")
+    assert code == 2 and "config.json: transformers cannot read it (" in text and "num_hidden_layers" in text, text
+    (model_dir / "config.json").write_text(json.dumps(config))
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
+    code, text = run_main(caplog, f"policy.model_name={model_dir}")
+    assert code == 2 and ("model.safetensors.index.json: not a sharded-checkpoint index (a JSON object whose "
+                          "'weight_map' maps tensor names to files): KeyError: 'weight_map'") in text, text
+
+
 def test_model_type_unknown(caplog, model_dir):
     config = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps({**config, "model_type": "foobar"}))
