@@ -101,6 +101,21 @@ def test_a_non_utf8_byte_or_a_bom_is_named_with_its_line_and_the_fix(tmp_path, t
         load_prompt_dataset(path, tokenizer)
 
 
+def test_a_field_holding_text_and_numbers_is_refused_not_converted(tmp_path, tokenizer):
+    """datasets reads a JSONL column as one type: the answer "007" reached the reward as the int 7."""
+    path = write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": "a", "answer": "007"}, {"prompt": "b", "answer": 5}])
+    with pytest.raises(ValueError, match=r"mixed\.jsonl: line 2: field 'answer' is a number \(5\), but text in line 1: "
+                                         r"a column is read as one type"):
+        load_prompt_dataset(path, tokenizer)
+    array = tmp_path / "mixed.json"
+    array.write_text(json.dumps([{"prompt": "a", "answer": 5}, {"prompt": "b", "answer": "007"}]))
+    with pytest.raises(ValueError, match=r"mixed\.json: record 2: field 'answer' is text \('007'\), but a number in "
+                                         r"record 1"):
+        load_prompt_dataset(array, tokenizer)
+    same = write_jsonl(tmp_path / "same.jsonl", [{"prompt": "a", "answer": "007"}, {"prompt": "b", "answer": "5"}])
+    assert [e.metadata["answer"] for e in load_prompt_dataset(same, tokenizer)] == ["007", "5"]
+
+
 def test_malformed_jsonl_line_names_file_and_line(tmp_path, tokenizer):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"prompt": "a"}\n\n{"prompt": "b", oops}\n{"prompt": "c"}\n')

@@ -52,10 +52,12 @@ def _check_jsonl(path: Path, prompt_key: str) -> int:
             records = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}:{exc.lineno}: malformed JSON ({exc.msg} at column {exc.colno})") from None
+        kinds = _FieldKinds(path, "record")
         for number, record in enumerate(records, start=1):
             _check_record(record, prompt_key, f"{path}: record {number}")
+            kinds.add(record, number)
         return len(records)
-    count = 0
+    count, kinds = 0, _FieldKinds(path)
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, start=1):
             try:
@@ -72,8 +74,30 @@ def _check_jsonl(path: Path, prompt_key: str) -> int:
             except json.JSONDecodeError as exc:
                 raise ValueError(_malformed_line(path, lineno, exc)) from None
             _check_record(record, prompt_key, f"{path}:{lineno}")
+            kinds.add(record, lineno)
             count += 1
     return count
+
+
+class _FieldKinds:
+    """A field that holds text on one line and a number on another: datasets reads a JSONL column as one arrow type
+    and converts the others without a word (the answer "007" reached the reward as 7), so it is an error naming both
+    lines (records whose types agree are read as they are)."""
+
+    def __init__(self, path: Path, unit: str = "line") -> None:
+        self.path, self.unit, self.first = path, unit, {}
+
+    def add(self, record: Mapping[str, Any], lineno: int) -> None:
+        for key, value in record.items():
+            kind = "text" if isinstance(value, str) else "a number" if isinstance(value, int | float) and not \
+                isinstance(value, bool) else None
+            if kind is None:
+                continue
+            seen = self.first.setdefault(key, (kind, lineno))
+            if seen[0] != kind:
+                raise ValueError(f"{self.path}: {self.unit} {lineno}: field {key!r} is {kind} ({value!r}), but "
+                                 f"{seen[0]} in {self.unit} {seen[1]}: a column is read as one type, and the other lines would be converted "
+                                 f"(\"007\" to 7); write every {key!r} the same way (e.g. all as strings)")
 
 
 def _malformed_line(path: Path, lineno: int, exc: json.JSONDecodeError) -> str:
