@@ -132,9 +132,7 @@ class RunInputs:
 
 def load_inputs(cfg: GRPOConfig) -> RunInputs:
     """Tokenizer and prompts; a missing file, malformed line or empty set fails here, before Ray starts."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(cfg.policy.model_name)
+    tokenizer = load_tokenizer(cfg.policy.model_name)
     examples = load_prompts(cfg, tokenizer, "train")
     if len(examples) < cfg.grpo.num_prompts_per_step:
         logger.warning("the train set has %d prompts, fewer than grpo.num_prompts_per_step=%d: every step repeats "
@@ -143,6 +141,18 @@ def load_inputs(cfg: GRPOConfig) -> RunInputs:
     if not cfg.grpo.val_every:  # no validation: a task without built-in prompts needs no env.val_data
         return RunInputs(tokenizer=tokenizer, train=train, val=[])
     return RunInputs(tokenizer=tokenizer, train=train, val=load_val_prompts(cfg, tokenizer))
+
+
+def load_tokenizer(model_dir: str) -> Any:
+    """The model's tokenizer; a damaged tokenizer file (a truncated tokenizer.json: transformers' bare 'Expecting
+    value: line 1 column 1') is a ValueError naming the directory and the fix."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except Exception as exc:
+        raise ValueError(f"policy.model_name={model_dir!r}: its tokenizer does not load ({type(exc).__name__}: "
+                         f"{str(exc)[:300]}); re-save it next to the weights with tokenizer.save_pretrained(dir)") from None
 
 
 def load_val_prompts(cfg: GRPOConfig, tokenizer: Any) -> list[PromptExample]:

@@ -106,14 +106,12 @@ class EvalInputs:
 def load_eval_inputs(cfg: GRPOConfig, out: Path) -> EvalInputs:
     """The tokenizer, the validation prompts (as the trainer loads them, whatever grpo.val_every says) and the
     generation backend; `out` checked first, so that no generation is thrown away at the end."""
-    from transformers import AutoTokenizer
-
-    from grpo_app.build import load_val_prompts
+    from grpo_app.build import load_tokenizer, load_val_prompts
     from rl_core.registry import create_generation_backend
 
     if out.is_dir():
         raise ValueError(f"--out {out} is a directory; name the JSONL file to write (e.g. {out / 'eval.jsonl'})")
-    tokenizer = AutoTokenizer.from_pretrained(cfg.policy.model_name)
+    tokenizer = load_tokenizer(cfg.policy.model_name)
     prompts = load_val_prompts(cfg, tokenizer)
     backend = create_generation_backend(cfg.generation.backend, model_path=cfg.policy.model_name,
                                         **cfg.generation.backend_kwargs)

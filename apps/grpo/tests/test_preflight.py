@@ -321,6 +321,14 @@ def test_a_config_field_of_the_wrong_type_or_a_broken_shard_index_is_one_line(ca
                           "'weight_map' maps tensor names to files): KeyError: 'weight_map'") in text, text
 
 
+def test_a_truncated_tokenizer_file_names_the_model_and_the_fix(caplog, model_dir):
+    """transformers' bare 'Expecting value: line 1 column 1 (char 0)' named neither the file nor the model."""
+    (model_dir / "tokenizer.json").write_text("")
+    code, text = run_main(caplog, f"policy.model_name={model_dir}")
+    assert code == 2 and f"policy.model_name='{model_dir}': its tokenizer does not load (" in text, text
+    assert "tokenizer.save_pretrained(dir)" in text
+
+
 def test_model_type_unknown(caplog, model_dir):
     config = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps({**config, "model_type": "foobar"}))

@@ -159,6 +159,9 @@ def test_empty_parquet_and_a_directory_are_named(tmp_path, tokenizer):
     pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), tmp_path / "empty.parquet")
     with pytest.raises(ValueError, match=r"empty\.parquet holds no records"):
         load_prompt_dataset(tmp_path / "empty.parquet", tokenizer)
+    (tmp_path / "bad.parquet").write_bytes(b"not parquet at all")  # pyarrow's message named no file
+    with pytest.raises(ValueError, match=r"bad\.parquet is not a readable Parquet file \(ArrowInvalid: "):
+        load_prompt_dataset(tmp_path / "bad.parquet", tokenizer)
     (tmp_path / "other").mkdir()
     with pytest.raises(ValueError, match=r"other is a directory; expected a local \.jsonl or \.parquet file or a "
                                          r"directory that datasets' save_to_disk wrote"):

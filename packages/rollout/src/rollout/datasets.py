@@ -270,7 +270,11 @@ def _load_rows(path: str | Path, prompt_key: str, split: str, subset: str | None
         return datasets.Dataset.from_json(str(path), cache_dir=cache, keep_in_memory=True)
     import pyarrow.parquet as pq  # .parquet, the one other suffix prompt_data_problem accepts
 
-    if pq.ParquetFile(path).metadata.num_rows == 0:  # datasets fails on it with no reason given
+    try:
+        rows = pq.ParquetFile(path).metadata.num_rows
+    except Exception as exc:  # pyarrow's message names no file ("Parquet magic bytes not found in footer")
+        raise ValueError(f"{path} is not a readable Parquet file ({type(exc).__name__}: {exc})") from None
+    if rows == 0:  # datasets fails on it with no reason given
         raise ValueError(f"prompt dataset {path} holds no records")
     return datasets.Dataset.from_parquet(str(path), cache_dir=cache, keep_in_memory=True)
 
