@@ -437,8 +437,14 @@ def check_reward_function(cfg: GRPOConfig) -> None:
         raise ConfigError(f"env.kwargs.fn={fn!r}: no module {top!r} on the Python path or in {launch_dir}; "
                           "install its package, add its directory to PYTHONPATH, or start the run in the directory "
                           "that holds it")
-    if module == top and spec.origin and spec.origin.endswith(".py"):  # compiled, not run: a typo fails here, not
-        try:                                                           # in the reward workers once Ray is up
+    for part in module.split(".")[1:]:  # a submodule, found without importing its package (no user code runs here)
+        locations = list(spec.submodule_search_locations or [])
+        spec = PathFinder.find_spec(part, locations) if locations else None
+        if spec is None:
+            raise ConfigError(f"env.kwargs.fn={fn!r}: no module {module!r} ({part!r} is not in "
+                              f"{locations or 'a package'}); check the import path")
+    if spec.origin and spec.origin.endswith(".py"):  # compiled, not run: a typo fails here, not in the reward
+        try:                                          # workers once Ray is up
             tree = compile(Path(spec.origin).read_bytes(), spec.origin, "exec", ast.PyCF_ONLY_AST)
         except SyntaxError as exc:
             raise ConfigError(f"env.kwargs.fn={fn!r}: {exc.filename}:{exc.lineno}: SyntaxError: {exc.msg}") from None
@@ -447,6 +453,23 @@ def check_reward_function(cfg: GRPOConfig) -> None:
             near = closest_key(attr, sorted(defined))
             raise ConfigError(f"env.kwargs.fn={fn!r}: {spec.origin} defines no {attr!r} at its top level"
                               + (f"; did you mean env.kwargs.fn={module}:{near}?" if near else ""))
+        for name, lineno in top_level_imports(tree):
+            if importlib.util.find_spec(name) is None and PathFinder.find_spec(name, [launch_dir]) is None:
+                raise ConfigError(f"env.kwargs.fn={fn!r}: {spec.origin}:{lineno} imports {name!r}, which is not "
+                                  "installed (the reward workers would fail to import it): install it, or start the "
+                                  "run where it can be imported")
+
+
+def top_level_imports(tree: ast.Module) -> list[tuple[str, int]]:
+    """(top-level package, line) of each absolute import a module runs unconditionally (its top level, outside
+    try blocks, which may guard an optional import)."""
+    out = []
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            out += [(alias.name.split(".")[0], node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.append((node.module.split(".")[0], node.lineno))
+    return out
 
 
 def top_level_names(tree: ast.Module) -> set[str] | None:

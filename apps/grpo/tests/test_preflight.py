@@ -628,6 +628,31 @@ def test_a_reward_function_name_the_module_does_not_define_fails_before_ray(capl
     assert top_level_names(ast.parse("from helpers import *\n")) is None
 
 
+@pytest.mark.parametrize(("fn", "message"), [
+    ("rewpkg.rew:scroe", "rew.py defines no 'scroe' at its top level; did you mean env.kwargs.fn=rewpkg.rew:score?"),
+    ("rewpkg.broken:score", "broken.py:1: SyntaxError: "),
+    ("rewpkg.needs:score", "needs.py:2 imports 'no_such_package_xyz', which is not installed"),
+    ("rewpkg.absent:score", "no module 'rewpkg.absent' ('absent' is not in"),
+])
+def test_a_reward_function_in_a_package_is_checked_before_ray_without_running_the_package(caplog, tmp_path,
+                                                                                          monkeypatch, fn, message):
+    """Only a top-level module was read: a typo, a syntax error or a missing import in `pkg.module` failed ~35 s in,
+    in the reward worker. The package's __init__ (here: one that would raise) is not run by the check."""
+    pkg = tmp_path / "rewpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("raise RuntimeError('the check must not run user code')\n")
+    (pkg / "rew.py").write_text("def score(**kw):\n    return 1.0\n")
+    (pkg / "broken.py").write_text("def score(**kw) return 1\n")
+    (pkg / "needs.py").write_text("import math\nimport no_such_package_xyz.sub\ntry:\n    import other_missing_xyz\n"
+                                  "except ImportError:\n    pass\ndef score(**kw):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"prompt": "ab:1"}\n')
+    code, text = run_main(caplog, "env.name=function", f"env.kwargs.fn={fn}", f"env.train_data={train}",
+                          "grpo.val_every=0")
+    assert code == 2 and message in text, text
+
+
 def test_an_engine_registered_in_process_or_abstract_fails_before_ray(caplog, monkeypatch):
     """`@register_engine` in the driver's process: the policy workers never import it (it failed as the first
     worker started, after Ray); an engine missing an abstract method failed there too."""
