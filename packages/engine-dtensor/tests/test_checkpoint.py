@@ -164,14 +164,21 @@ class _SilentStepEngine(DTensorEngine):
         return {"loss": result.loss, **DTensorEngine.optimizer_step(self)}
 
 
+def _contract_failure(rank: int, world: int, path: str, engine_cls: type, shared_dir: str) -> str:
+    policy = make_policy(path, scheduler={"warmup_steps": 4, "decay": "constant"})
+    with pytest.raises(AssertionError) as failure:
+        check_training_engine(lambda: engine_cls(policy), VOCAB, checkpoint_dir=shared_dir,
+                              lr_at=lambda k: policy.optimizer.kwargs["lr"] * policy.scheduler.lr_factor(k))
+    return str(failure.value)
+
+
 @pytest.mark.parametrize(("engine_cls", "message"), [(_ConstantLREngine, "!= the configured"),
                                                      (_SilentStepEngine, "optimizer_step metrics lack")])
 def test_contract_refuses_an_engine_that_ignores_the_schedule_or_reports_no_step(ckpt, tmp_path, engine_cls,
                                                                                   message) -> None:
-    policy = make_policy(ckpt("qwen3"), scheduler={"warmup_steps": 4, "decay": "constant"})
-    with pytest.raises(AssertionError, match=message):
-        check_training_engine(lambda: engine_cls(policy), VOCAB, checkpoint_dir=str(tmp_path),
-                              lr_at=lambda k: policy.optimizer.kwargs["lr"] * policy.scheduler.lr_factor(k))
+    # in a rank process, as every engine test: an engine built here would leave this process a process group
+    failure = run_distributed(_contract_failure, 1, args=(ckpt("qwen3"), engine_cls, str(tmp_path)))[0]
+    assert message in failure, failure
 
 
 def _moe_save(rank: int, world: int, path: str, batch, out_dir: str) -> tuple:
