@@ -339,11 +339,18 @@ def check_environment(cfg: GRPOConfig, *, training: bool = True) -> None:
     """`env.*`: a registered environment whose constructor accepts `env.kwargs`, and prompts to train on (with
     `training=False`, as `eval` runs: validation prompts only, whatever grpo.val_every says)."""
     from rollout.environments import environment_factory, environment_names, toy_prompts
+    from rollout.environments.pool import check_pool_options
     from rollout.rewards.toy import TOY_TASKS
 
     if cfg.env.name not in environment_names():
         raise ConfigError(f"env.name={cfg.env.name!r} is not known; choose one of {environment_names()}")
     check_kwargs(environment_factory(cfg.env.name), cfg.env.kwargs, "env.kwargs")
+    pool_options = {key: cfg.env.kwargs[key] for key in ("num_workers", "timeout_s", "memory_limit_mb")
+                    if key in cfg.env.kwargs}
+    try:  # the reward pool's bounds, checked where the pool would find them only after Ray started
+        check_pool_options(**pool_options)
+    except ValueError as exc:
+        raise ConfigError(f"env.kwargs: {exc}") from None
     check_prompt_data(cfg.env, "train")
     check_prompt_data(cfg.env, "val")
     needs_train, needs_val = training, bool(cfg.grpo.val_every) or not training

@@ -787,3 +787,9 @@ def test_a_decaying_schedule_shorter_than_the_run_is_warned_about(caplog):
     check_schedule(load_config(None, ["grpo.max_steps=3", "policy.scheduler.decay=linear",
                                       "policy.scheduler.total_steps=3"]))
     assert not caplog.text
+
+
+def test_a_reward_pool_setting_out_of_range_fails_before_ray(caplog):
+    """env.kwargs.memory_limit_mb=20 was refused by the reward pool, after Ray and the workers started."""
+    code, text = run_main(caplog, "env.kwargs.memory_limit_mb=20")
+    assert code == 2 and "env.kwargs: reward memory_limit_mb=20; expected >= 64 (or None: no limit)" in text, text

@@ -147,6 +147,16 @@ def remove_orphaned_pool_dirs() -> int:
     return removed
 
 
+def check_pool_options(*, num_workers: int = 2, timeout_s: float = 10.0, memory_limit_mb: int | None = 4096) -> None:
+    """ValueError for a pool setting out of range (the trainer's preflight calls it on env.kwargs before Ray)."""
+    if num_workers < 0:
+        raise ValueError(f"reward num_workers={num_workers}; expected >= 0 (0 is read as 1)")
+    if not timeout_s > 0:
+        raise ValueError(f"reward timeout_s={timeout_s}; expected > 0 seconds")
+    if memory_limit_mb is not None and memory_limit_mb < 64:
+        raise ValueError(f"reward memory_limit_mb={memory_limit_mb}; expected >= 64 (or None: no limit)")
+
+
 class RewardPool:
     """`num_workers` sandboxed subprocesses (rollout._sandbox) running `fn_path` (pkg.module:function).
 
@@ -163,12 +173,7 @@ class RewardPool:
 
     def __init__(self, fn_path: str, *, num_workers: int = 2, timeout_s: float = 10.0,
                  fn_kwargs: dict[str, Any] | None = None, memory_limit_mb: int | None = 4096) -> None:
-        if num_workers < 0:
-            raise ValueError(f"reward num_workers={num_workers}; expected >= 0 (0 is read as 1)")
-        if not timeout_s > 0:
-            raise ValueError(f"reward timeout_s={timeout_s}; expected > 0 seconds")
-        if memory_limit_mb is not None and memory_limit_mb < 64:
-            raise ValueError(f"reward memory_limit_mb={memory_limit_mb}; expected >= 64 (or None: no limit)")
+        check_pool_options(num_workers=num_workers, timeout_s=timeout_s, memory_limit_mb=memory_limit_mb)
         self.fn_path, self.num_workers, self.timeout_s = fn_path, max(num_workers, 1), timeout_s
         self.fn_kwargs, self.memory_limit_mb = dict(fn_kwargs or {}), memory_limit_mb
         self._ctx = mp.get_context("spawn")
