@@ -50,6 +50,7 @@ from engine_megatron.model import (
 )
 from engine_megatron.optim import build_optimizer, build_scheduler, megatron_optimizer_config, optimizer_step
 from engine_megatron.parallel import broadcast_from_last_stage, init_model_parallel
+from engine_megatron.router_losses import clear_router_losses, router_losses
 from engine_megatron.vocab_parallel import vocab_parallel_logprobs
 from rl_core import checkpoint_io
 from rl_core.batch import LossFn, LossInputs, StepResult, TokenBatch
@@ -176,11 +177,16 @@ class MegatronEngine(TrainingEngine):
         mbs = self._micro_batches(batch, mb_plan)
         state = _StepState(loss_fn=loss_fn, num_valid_tokens=float(counts[0]), num_valid_seqs=float(counts[1]),
                            scale=len(mbs) * self.ranks.dp_size / self.ranks.cp_size)
+        routes_losses = self.model_cfg.is_moe and not forward_only
+        if routes_losses:
+            clear_router_losses()
         self._run(mbs, state, forward_only=forward_only)
         loss_sum = float(torch.stack(state.losses).sum()) if state.losses else 0.0
         summary = broadcast_from_last_stage((loss_sum, combine_metrics(state.metrics)), self.ranks)
         loss, metrics = summary
         reduced = all_reduce_metrics({"loss": loss, **metrics}, group=dp_group)
+        if routes_losses:  # already averaged over DP by megatron's sync
+            reduced.update(router_losses(self.model_cfg.transformer_config, len(mbs)))
         return StepResult(loss=reduced.pop("loss"), metrics=reduced, num_micro_batches=len(mbs))
 
     def compute_logprobs(self, batch: TokenBatch) -> list[Tensor]:
