@@ -36,7 +36,7 @@ from rl_core.distributed import free_port
 from rl_core.interfaces import Completion, RewardRequest, RewardResult, SamplingParams
 from rl_core.metrics import combine_optimizer_steps
 from rl_core.registry import GENERATION_BACKENDS
-from rollout.environments import check_reward_failures, create_environment
+from rollout.environments import create_environment
 from seqpack import balance_partitions
 
 logger = logging.getLogger(__name__)
@@ -484,19 +484,12 @@ class Workers:
 
     def submit_score(self, requests: list[RewardRequest]) -> Callable[[], list[RewardResult]]:
         """Start scoring now (reward actors, or the driver's environment on a thread); call the result to wait.
-        Waiting raises RewardFailureError when env.max_failed_reward_fraction of the batch's calls failed."""
+        The caller checks env.max_failed_reward_fraction on the whole batch (loop.rollout): `requests` may be one
+        generator's share of it."""
         if self.local_env is not None:
-            wait = self._scoring.submit(self.local_env.score, requests).result
-        else:
-            refs = [w.score.remote(p) for w, p in zip(self.rewarders, _split(requests, len(self.rewarders))) if p]
-            wait = lambda: [r for part in ray.get(refs) for r in part]  # noqa: E731
-
-        def checked() -> list[RewardResult]:
-            results = wait()
-            check_reward_failures(results, self.cfg.env.max_failed_reward_fraction, "env.max_failed_reward_fraction")
-            return results
-
-        return checked
+            return self._scoring.submit(self.local_env.score, requests).result
+        refs = [w.score.remote(p) for w, p in zip(self.rewarders, _split(requests, len(self.rewarders))) if p]
+        return lambda: [r for part in ray.get(refs) for r in part]
 
     def shutdown(self) -> None:
         """Kill every actor. The reward workers first close their environments, for up to REWARD_CLOSE_TIMEOUT_S
