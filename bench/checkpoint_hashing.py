@@ -48,10 +48,6 @@ def _on_all_ranks(rank: int, world: int, directory: str, repeats: int) -> tuple[
             _timed(verify_manifest_on_all_ranks, directory, repeats))
 
 
-def _engine_verify(rank: int, world: int, directory: str, repeats: int) -> float:
-    return _timed(verify_manifest_on_all_ranks, directory, repeats)
-
-
 def _resume_table(checkpoint: Path, args: argparse.Namespace, engine_s: float) -> list[list[str]]:
     """A resume's hashing: the driver's check of the run checkpoint, then the engine's of policy/ (`engine_s`)."""
     hashed = _timed(verify_manifest, str(checkpoint), args.repeats)

@@ -17,7 +17,7 @@ from grpo_app.checkpoint import (
     check_identity,
     run_identity,
 )
-from grpo_app.cluster import Workers, start_ray
+from grpo_app.cluster import Workers
 from grpo_app.config import GRPOConfig
 from grpo_app.loop import Run
 from grpo_app.metrics_sink import MetricsSink
@@ -203,11 +203,11 @@ def _refuse_to_start_over_a_checkpointed_run(cfg: GRPOConfig) -> None:
 
 
 def build_run(cfg: GRPOConfig, inputs: RunInputs, resume_point: ResumePoint | None = None) -> Run:
+    """The workers (on the Ray that main.run_training started), the metrics sink and the checkpoint manager."""
     sink = MetricsSink(cfg.logger.log_dir, tensorboard=cfg.logger.tensorboard,
                        resume_step=resume_point.step if resume_point is not None else None)
     sink.start_wandb(cfg.logger.wandb, to_dict(cfg))  # before the workers: a W&B login problem costs seconds
     checkpoints = checkpoint_manager(cfg)
-    start_ray(cfg)
     workers = Workers(cfg)
     return Run(cfg=cfg, workers=workers, tokenizer=inputs.tokenizer, train_prompts=inputs.train,
                val_prompts=inputs.val, sink=sink, checkpoints=checkpoints, loss_fn=ClippedPGLoss(cfg.loss))

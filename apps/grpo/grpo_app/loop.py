@@ -11,6 +11,7 @@ import collections
 import contextlib
 import dataclasses
 import difflib
+import functools
 import logging
 import math
 import pickle
@@ -152,7 +153,7 @@ SAMPLED_AHEAD_FILE = "sampled_ahead.pkl"
 
 @dataclass
 class Run:
-    """Everything one training run holds; built by main.py."""
+    """Everything one training run holds; built by build.build_run."""
 
     cfg: GRPOConfig
     workers: Workers
@@ -165,7 +166,7 @@ class Run:
     rollouts: RolloutQueue = field(init=False)
 
     def __post_init__(self) -> None:
-        self.rollouts = RolloutQueue(lambda step: sample_step(self, step), ahead=self.cfg.grpo.async_rollouts,
+        self.rollouts = RolloutQueue(functools.partial(sample_step, self), ahead=self.cfg.grpo.async_rollouts,
                                      max_steps=self.cfg.grpo.max_steps)
 
 

@@ -1,7 +1,7 @@
 """Entry point: `uv run apps/grpo [--config FILE] [dotted.key=value ...]`.
 
 Parses and validates the whole config, checks inputs before any worker starts, builds the run,
-resumes from the newest intact checkpoint in the run directory if there is one, trains, and prints a summary.
+resumes from the newest intact checkpoint in the run directory if there is one, trains, and logs a summary.
 """
 
 from __future__ import annotations

@@ -563,8 +563,9 @@ def test_an_environment_declares_the_prompt_fields_it_reads(monkeypatch):
     from rollout.datasets import PromptExample
     from rollout.environments import FunctionEnvironment, base, prompt_fields, register_environment
 
-    for registry in ("_ENVIRONMENTS", "_PROMPT_FIELDS"):  # registered for this test only
-        monkeypatch.setattr(base, registry, dict(getattr(base, registry)))
+    # registered for this test only
+    monkeypatch.setattr(base.ENVIRONMENTS, "_classes", dict(base.ENVIRONMENTS._classes))
+    monkeypatch.setattr(base, "_PROMPT_FIELDS", dict(base._PROMPT_FIELDS))
     register_environment("needs_unit_test_fields", prompt_fields={"unit": "the expected unit"})(FunctionEnvironment)
     assert prompt_fields("needs_unit_test_fields") == {"unit": "the expected unit"} and prompt_fields("function") == {}
     good, bad = (PromptExample(prompt="p", prompt_token_ids=[1], metadata=meta) for meta in ({"unit": "m"}, {"units": "m"}))

@@ -311,8 +311,22 @@ def test_reward_module_in_the_launch_directory_imports(tmp_path, monkeypatch):
         env.close()
 
 
+def test_a_name_taken_by_another_environment_is_an_error(monkeypatch):
+    """Two factories under one name: which one a run used depended on import order; now the second is refused."""
+    from rollout.environments import base, register_environment
+
+    monkeypatch.setattr(base.ENVIRONMENTS, "_classes", dict(base.ENVIRONMENTS._classes))
+
+    class Mine:
+        pass
+
+    with pytest.raises(ValueError, match=r"environment 'math' is taken by rollout.environments.builtin:.*register "):
+        register_environment("math")(Mine)
+    assert create_environment("math").__class__.__name__ != "Mine"
+
+
 def test_bad_names_are_clear_errors():
-    with pytest.raises(ValueError, match=r"'nope' is not a registered environment.*'math'"):
+    with pytest.raises(ValueError, match=r"env.name: environment 'nope' is not registered; choose one of .*'math'.*'function' with env.kwargs.fn"):
         create_environment("nope")
     with pytest.raises(ValueError, match="pkg.module:function"):
         create_environment("function", fn="no_colon_here", num_workers=0)

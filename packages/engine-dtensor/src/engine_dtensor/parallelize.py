@@ -217,8 +217,8 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, cfg: DTensorConfig) -> None:
             param.requires_grad_(False)
 
 
-def apply_ac(model: nn.Module, mesh: DeviceMesh | None, cfg: DTensorConfig) -> None:
-    """Recompute each decoder layer in backward (full-layer checkpointing). `mesh` is unused."""
+def apply_ac(model: nn.Module, cfg: DTensorConfig) -> None:
+    """Recompute each decoder layer in backward (full-layer checkpointing)."""
     layers = decoder_layers(model)
     # LoRA dropout: the recomputation must draw the masks of the forward again (else the gradient is of another mask)
     preserve_rng_state = cfg.lora_cfg.enabled and cfg.lora_cfg.dropout > 0
@@ -227,8 +227,8 @@ def apply_ac(model: nn.Module, mesh: DeviceMesh | None, cfg: DTensorConfig) -> N
         layers[i] = checkpoint_wrapper(layer, preserve_rng_state=preserve_rng_state)
 
 
-def apply_compile(model: nn.Module, mesh: DeviceMesh | None, cfg: DTensorConfig) -> None:
-    """torch.compile each decoder layer in place (names unchanged). `mesh` is unused.
+def apply_compile(model: nn.Module) -> None:
+    """torch.compile each decoder layer in place (names unchanged).
 
     Dynamic shapes from the start: packed rows change length every micro-batch, and with automatic dynamic
     shapes each new length (and max length) recompiled at first."""
@@ -268,10 +268,10 @@ def parallelize(model: nn.Module, parallel_dims: ParallelDims, cfg: DTensorConfi
         apply_tp(model, parallel_dims.get_mesh("tp"), cfg)
     # 2. AC wraps whole decoder layers, so FSDP's per-layer hooks sit outside the recomputed region.
     if cfg.activation_checkpointing:
-        apply_ac(model, None, cfg)
+        apply_ac(model, cfg)
     # 3. Compile after AC wrapping, before FSDP (FSDP's hooks stay outside the compiled graphs).
     if cfg.compile:
-        apply_compile(model, None, cfg)
+        apply_compile(model)
     # 4. FSDP always, even on one rank: it is what applies mixed precision and CPU offload.
     apply_fsdp(model, parallel_dims.get_mesh("dp"), cfg)
     logger.info(

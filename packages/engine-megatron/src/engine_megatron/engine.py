@@ -131,7 +131,7 @@ class MegatronEngine(TrainingEngine):
         self.device = init_process_group(prepare_device().type == "cuda")
         world_size = dist.get_world_size()
         self.settings = resolve_settings(policy, self.cfg, self.hf_config, world_size, self.device.type == "cuda")
-        self.ranks = init_model_parallel(self.cfg, self.device.type == "cuda")
+        self.ranks = init_model_parallel(self.cfg)
         self.model_cfg = mcore_model_config(
             self.hf_config, tp=self.cfg.tp, pp=self.cfg.pp, ep=self.cfg.ep, etp=self.cfg.etp,
             cp=self.cfg.cp, sequence_parallel=self.settings.sequence_parallel,

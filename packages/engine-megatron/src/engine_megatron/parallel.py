@@ -37,7 +37,7 @@ class ParallelRanks:
         return self.pp_rank == self.pp_size - 1
 
 
-def init_model_parallel(cfg: MegatronConfig, use_cuda: bool) -> ParallelRanks:
+def init_model_parallel(cfg: MegatronConfig) -> ParallelRanks:
     """(Re)build megatron's process groups for this config and seed the model-parallel RNG tracker."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel

@@ -1,4 +1,4 @@
-"""Name -> class registries for training engines and generation backends.
+"""Name -> class registries for training engines, generation backends and (rollout.environments) reward environments.
 
 This is the one place backend names live. Packages announce their classes through Python entry points
 (`rl_core.engines`, `rl_core.generation_backends` in their pyproject.toml), so installing a wheel is what
@@ -19,8 +19,9 @@ C = TypeVar("C")
 
 
 class Registry:
-    def __init__(self, kind: str, group: str, wheels: dict[str, str]) -> None:
+    def __init__(self, kind: str, group: str, wheels: dict[str, str], *, unknown_hint: str = "") -> None:
         self.kind, self.group, self.wheels = kind, group, wheels
+        self.unknown_hint = unknown_hint  # appended to the message for a name nothing registers
         self._classes: dict[str, type] = {}
 
     def register(self, name: str) -> Callable[[type[C]], type[C]]:
@@ -67,6 +68,7 @@ class Registry:
                 )
             uninstalled = sorted(set(self.wheels) - set(self.names()))
             more = f" (or install {', '.join(self.wheels[n] for n in uninstalled)})" if uninstalled else ""
+            more += f" ({self.unknown_hint})" if self.unknown_hint else ""
             raise ValueError(f"{config_key}: {self.kind} '{name}' is not registered; choose one of "
                              f"{self.names()}{more}")
         try:

@@ -13,19 +13,20 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
-from importlib.metadata import entry_points
 from typing import Any
 
 from rl_core.interfaces import Environment, RewardRequest, RewardResult
+from rl_core.registry import Registry
 from rollout.environments.pool import RewardPool
 
 logger = logging.getLogger(__name__)
 
-_ENVIRONMENTS: dict[str, Callable[..., Environment]] = {}
-_PROMPT_FIELDS: dict[str, dict[str, str]] = {}
 # An installed package's environments, by name: found in every process (the trainer's reward workers too), where an
 # in-process `@register_environment` is seen only by the process that imported its module.
 ENTRY_POINT_GROUP = "rl_core.environments"
+ENVIRONMENTS = Registry("environment", ENTRY_POINT_GROUP, {},
+                        unknown_hint="or 'function' with env.kwargs.fn='pkg.module:function'")
+_PROMPT_FIELDS: dict[str, dict[str, str]] = {}
 
 
 def register_environment(name: str, *, prompt_fields: Mapping[str, str] | None = None
@@ -35,7 +36,7 @@ def register_environment(name: str, *, prompt_fields: Mapping[str, str] | None =
     prompt file before it starts anything (without them every reward call would fail)."""
 
     def decorate(factory: Callable[..., Environment]) -> Callable[..., Environment]:
-        _ENVIRONMENTS[name] = factory
+        ENVIRONMENTS.register(name)(factory)  # a name taken by another factory is an error
         _PROMPT_FIELDS[name] = dict(prompt_fields or {})
         return factory
 
@@ -43,26 +44,15 @@ def register_environment(name: str, *, prompt_fields: Mapping[str, str] | None =
 
 
 def prompt_fields(name: str) -> dict[str, str]:
-    """The metadata fields environment `name` reads from every prompt (field -> what it holds)."""
-    _load_installed(name)
+    """The metadata fields environment `name` reads from every prompt (field -> what it holds): those its
+    `@register_environment` names (an installed entry point's module is imported for them); none when unknown."""
+    if name in ENVIRONMENTS.names():
+        environment_factory(name)
     return dict(_PROMPT_FIELDS.get(name, {}))
 
 
-def _load_installed(name: str) -> None:
-    """Import the `rl_core.environments` entry point named `name`, if one is installed and `name` is not registered:
-    a class its module decorates with `@register_environment(name)` keeps its prompt_fields; an undecorated class or
-    factory is registered as it is."""
-    if name in _ENVIRONMENTS:
-        return
-    installed = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
-    if installed:
-        factory = installed[0].load()
-        _ENVIRONMENTS.setdefault(name, factory)
-        _PROMPT_FIELDS.setdefault(name, {})
-
-
 def environment_names() -> list[str]:
-    return sorted(set(_ENVIRONMENTS) | {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)})
+    return ENVIRONMENTS.names()
 
 
 class RewardFailureError(RuntimeError):
@@ -93,12 +83,9 @@ def finite_rewards(results: Sequence[RewardResult]) -> list[RewardResult]:
 
 
 def environment_factory(name: str) -> Callable[..., Environment]:
-    """The class or factory registered as `name` (its signature is what `env.kwargs` must fit)."""
-    _load_installed(name)
-    if name not in _ENVIRONMENTS:
-        raise ValueError(f"env.name={name!r} is not a registered environment; choose one of {environment_names()} "
-                         f"(or 'function' with fn='pkg.module:function')")
-    return _ENVIRONMENTS[name]
+    """The class or factory registered as `name`, or installed under it as an `rl_core.environments` entry point
+    (its signature is what `env.kwargs` must fit)."""
+    return ENVIRONMENTS.get(name, config_key="env.name")
 
 
 def create_environment(name: str, **kwargs: Any) -> Environment:
