@@ -245,6 +245,12 @@ def build_batch(prompts: list[PromptExample], completions: list[Completion], adv
     return TokenBatch(input_ids=input_ids, loss_mask=loss_mask, advantages=adv, gen_logprobs=gen)
 
 
+def sampling_round(step: int, round_: int, max_rounds: int) -> int:
+    """What seeds round `round_` of step `step`'s sampling: one number per (step, round), for any number of DAPO
+    refill rounds (16 per step kept the seeds of runs with up to 16 rounds as they were)."""
+    return step * max(16, max_rounds) + round_
+
+
 def sample_groups(run: Run, step: int, timer: PhaseTimer):
     """Prompts and their scored groups; with DAPO dynamic sampling, zero-variance groups are refilled."""
     cfg = run.cfg.grpo
@@ -253,7 +259,8 @@ def sample_groups(run: Run, step: int, timer: PhaseTimer):
     for round_ in range(cfg.max_dynamic_sampling_rounds if cfg.dynamic_sampling else 1):
         need = cfg.num_prompts_per_step - len(prompts)
         new_prompts = run.train_prompts.next_batch(need)
-        new_c, new_r, new_res = rollout(run, new_prompts, sampling_params(run.cfg, step * 16 + round_, n=g), timer)
+        params = sampling_params(run.cfg, sampling_round(step, round_, cfg.max_dynamic_sampling_rounds), n=g)
+        new_c, new_r, new_res = rollout(run, new_prompts, params, timer)
         keep = torch.ones(len(new_c), dtype=torch.bool)
         if cfg.dynamic_sampling:
             keep = dynamic_sampling_keep(new_r, torch.tensor([c.prompt_index for c in new_c]))

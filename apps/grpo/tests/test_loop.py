@@ -93,6 +93,24 @@ def test_dynamic_sampling_refills_with_groups_that_have_variance():
     assert rewards.tolist() == [0.0, 1.0] * 3
 
 
+def test_every_sampling_round_of_every_step_has_a_seed_of_its_own():
+    """Groups that never have variance: every one of 20 refill rounds samples, in steps 0 and 1. Each (step, round)
+    drew with another seed; step 0's round 16 once drew with step 1's round 0 seed."""
+    run = make_run("grpo.dynamic_sampling=true", "grpo.max_dynamic_sampling_rounds=20")
+    seeds = []
+    generate = run.workers.generate
+
+    def recording(prompts, params):
+        seeds.append(params.seed)
+        return generate(prompts, params)
+
+    run.workers.generate = recording
+    run.workers.score = lambda requests: [RewardResult(reward=1.0) for _ in requests]  # no group has variance
+    for step in (0, 1):
+        sample_groups(run, step, PhaseTimer())
+    assert len(seeds) == 40 and len(set(seeds)) == 40, seeds
+
+
 def test_dynamic_sampling_keeps_each_completion_under_its_own_prompt():
     """Round 0 keeps one group of four, round 1 all three of its new ones: 4 groups of 2, each completion (whose
     first token is its prompt's) under its own prompt. The renumbering of kept groups once matched a later
