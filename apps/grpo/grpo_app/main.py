@@ -118,7 +118,12 @@ def run_training(cfg: GRPOConfig, inputs: RunInputs, resume_point: ResumePoint |
     (log_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     logger.info("resolved config (saved to %s):\n%s", log_dir / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
     owns_ray = not ray.is_initialized()
-    start_ray(cfg)
+    try:
+        start_ray(cfg)
+    except BaseException:  # Ctrl-C while Ray starts: what it started so far must not outlive the driver
+        if owns_ray:
+            stop_ray()
+        raise
     with signals_stop_the_run() as stop:
         run = None
         try:
@@ -152,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         logger.error("%s", exc)
         return 2
+    except KeyboardInterrupt:  # nothing started yet: nothing to clean up, and no traceback from deep in an import
+        logger.error("run stopped: interrupted (SIGINT) while checking the config, before anything started")
+        return 130
     known_damaged: dict[Path, str] = {}  # checkpoints an engine found damaged as it loaded them
     while True:
         try:

@@ -85,6 +85,32 @@ def test_a_signal_stops_the_run_with_its_exit_code(stopped_run, tmp_path, exc, c
                                       f"{tmp_path}/run/checkpoints/step_4")
 
 
+def test_ctrl_c_while_the_config_is_checked_is_one_line_and_exit_130(monkeypatch, caplog):
+    """The first seconds (config, preflight: imports of torch and sympy): a KeyboardInterrupt traceback, exit 1."""
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "preflight", interrupted)
+    with caplog.at_level(logging.ERROR, logger="grpo"):
+        assert cli.main(["grpo.max_steps=2"]) == 130
+    assert caplog.records[-1].getMessage().startswith("run stopped: interrupted (SIGINT) while checking the config")
+
+
+def test_ctrl_c_while_ray_starts_stops_what_it_started(monkeypatch, tmp_path):
+    """A Ctrl-C inside ray.init left Ray's agents running (and the driver could crash at exit): Ray is stopped."""
+    stopped = []
+
+    def start_ray(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cluster, "start_ray", start_ray)
+    monkeypatch.setattr(cluster, "stop_ray", lambda: stopped.append(True))
+    cfg = cli.load_config(None, [f"logger.log_dir={tmp_path}"])
+    with pytest.raises(KeyboardInterrupt):
+        cli.run_training(cfg, None)
+    assert stopped == [True]
+
+
 def test_a_broken_reward_function_stops_the_run_with_the_same_line(stopped_run, tmp_path):
     """As every other stop: `run stopped: ...` and where the same command resumes from (it used to be the bare
     reward message, with no word on the checkpoints)."""
