@@ -278,6 +278,23 @@ def check_wandb_installed(wandb: WandbConfig) -> None:
                           "logger.wandb.enabled=false")
 
 
+def expand_home(cfg: GRPOConfig) -> GRPOConfig:
+    """`~` at the start of a path key is the home directory, as in a shell: the shell leaves `key=~/x` alone (the `~`
+    is not at the start of the word), and Python took it for a directory named `~` in the working directory."""
+    def home(path: str | None) -> str | None:
+        return None if path is None else os.path.expanduser(path)
+
+    policy = dataclasses.replace(cfg.policy, model_name=home(cfg.policy.model_name))
+    if policy.megatron_cfg.get("converted_checkpoint_dir"):
+        policy = dataclasses.replace(policy, megatron_cfg={
+            **policy.megatron_cfg, "converted_checkpoint_dir": home(policy.megatron_cfg["converted_checkpoint_dir"])})
+    return dataclasses.replace(
+        cfg, policy=policy,
+        env=dataclasses.replace(cfg.env, train_data=home(cfg.env.train_data), val_data=home(cfg.env.val_data)),
+        logger=dataclasses.replace(cfg.logger, log_dir=home(cfg.logger.log_dir)),
+        checkpointing=dataclasses.replace(cfg.checkpointing, dir=home(cfg.checkpointing.dir)))
+
+
 def resolve_model(cfg: GRPOConfig) -> GRPOConfig:
     name = cfg.policy.model_name
     if name.startswith(TINY_PREFIX):
@@ -529,6 +546,7 @@ def check_plugins_reach_workers(cfg: GRPOConfig, engine_cls: type) -> None:
 def preflight(cfg: GRPOConfig, *, training: bool = True) -> GRPOConfig:
     """Validate what the config points at; returns the config with the model path resolved. `training=False`
     (`eval`): the prompts needed are the validation ones only."""
+    cfg = expand_home(cfg)
     check_bounds(cfg)
     check_optimizer(cfg.policy.optimizer)
     engine_cls = ENGINES.get(cfg.policy.engine_name, config_key=cfg.policy.engine_config_key)

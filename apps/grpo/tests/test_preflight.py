@@ -794,3 +794,18 @@ def test_a_reward_pool_setting_out_of_range_fails_before_ray(caplog):
     """env.kwargs.memory_limit_mb=20 was refused by the reward pool, after Ray and the workers started."""
     code, text = run_main(caplog, "env.kwargs.memory_limit_mb=20")
     assert code == 2 and "env.kwargs: reward memory_limit_mb=20; expected >= 64 (or None: no limit)" in text, text
+
+
+def test_a_path_starting_with_a_tilde_is_in_the_home_directory(tmp_path, monkeypatch):
+    """`logger.log_dir=~/runs/x` on a command line reaches Python unexpanded (the shell expands `~` only at the start of
+    a word): the run was written to a directory named `~` in the working directory, its log reading like home."""
+    shutil.copytree(cached_tiny_checkpoint("qwen2"), tmp_path / "models" / "m")
+    (tmp_path / "p.jsonl").write_text('{"prompt": "h:1"}\n' * 4)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path / "models")
+    cfg = preflight(load_config(None, [*SMALL, "logger.log_dir=~/runs/x", "checkpointing.dir=~/ckpt",
+                                       "policy.model_name=~/models/m", "env.train_data=~/p.jsonl",
+                                       "env.val_data=~/p.jsonl"]))
+    assert cfg.logger.log_dir == f"{tmp_path}/runs/x" and str(cfg.checkpoint_dir) == f"{tmp_path}/ckpt"
+    assert cfg.policy.model_name == f"{tmp_path}/models/m"
+    assert cfg.env.train_data == cfg.env.val_data == f"{tmp_path}/p.jsonl"
