@@ -381,6 +381,7 @@ def train(run: Run, start_step: int = 0) -> None:
     """
     cfg = run.cfg.grpo
     from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
 
     # a bar only on a terminal: in a log file (nohup, a batch job) its redraws are one endless line; there, as with
     # logger.progress_bar=false, each step is a log line instead
@@ -406,30 +407,32 @@ def train(run: Run, start_step: int = 0) -> None:
                     "one update older than those they train (importance-weighted by loss.importance)")
     if one_update_per_batch(run.cfg, cfg.num_prompts_per_step * cfg.num_generations_per_prompt):
         logger.info("one optimizer step per batch: prev logprobs come from the training forward")
-    for step in bar:
-        val = validation(step) if due(step) else {}  # the weights before this step's update
-        step_metrics = grpo_step(run, step)
-        metrics = {**val, **step_metrics}
-        run.sink.log(step, metrics)
-        if not show_bar:
-            logger.info("step %d (%d of %d): %s", step, step + 1, cfg.max_steps, format_metrics(metrics, STEP_LOG_KEYS))
-        bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}", loss=f"{metrics.get('train/loss', 0):.2e}")
-        done = step + 1 == cfg.max_steps
-        if done and cfg.val_every:
-            run.sink.log(step + 1, validation(step + 1))
-        ckpt = run.cfg.checkpointing
-        if run.checkpoints is not None and ((step + 1) % ckpt.save_every == 0 or done):
-            own_val = validation(step + 1) if due(step + 1) else {}  # no validation of its own: no score
-            metric = own_val[ckpt.metric] if ckpt.metric in own_val else step_metrics.get(ckpt.metric)
-            if own_val and metric is None and ckpt.metric and not warned_metric:
-                warned_metric = True  # with a validation at hand every metric exists: the name is wrong
-                near = difflib.get_close_matches(ckpt.metric, [*own_val, *step_metrics], n=1)
-                logger.warning("checkpointing.metric=%r is not a metric of this run%s: keep-top-k keeps the newest "
-                               "checkpoints only", ckpt.metric, f" (did you mean {near[0]!r}?)" if near else "")
-            ahead = run.rollouts.ahead_bytes()
-            with_hf = ckpt.save_hf == "every" or (ckpt.save_hf == "final" and done)
-            saved = run.checkpoints.save(step + 1, run.workers.save_checkpoint, trainer_state(run, step + 1, metric),
-                                         files={SAMPLED_AHEAD_FILE: ahead} if ahead is not None else None,
-                                         save_hf=run.workers.save_hf if with_hf else None)
-            if with_hf and done:
-                logger.info("trained policy as a Hugging Face model (transformers, vLLM): %s", saved / HF_DIR)
+    # log lines above the bar, not glued to its end (Ray workers' lines, printed by Ray, still are)
+    with logging_redirect_tqdm() if show_bar else contextlib.nullcontext():
+        for step in bar:
+            val = validation(step) if due(step) else {}  # the weights before this step's update
+            step_metrics = grpo_step(run, step)
+            metrics = {**val, **step_metrics}
+            run.sink.log(step, metrics)
+            if not show_bar:
+                logger.info("step %d (%d of %d): %s", step, step + 1, cfg.max_steps, format_metrics(metrics, STEP_LOG_KEYS))
+            bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}", loss=f"{metrics.get('train/loss', 0):.2e}")
+            done = step + 1 == cfg.max_steps
+            if done and cfg.val_every:
+                run.sink.log(step + 1, validation(step + 1))
+            ckpt = run.cfg.checkpointing
+            if run.checkpoints is not None and ((step + 1) % ckpt.save_every == 0 or done):
+                own_val = validation(step + 1) if due(step + 1) else {}  # no validation of its own: no score
+                metric = own_val[ckpt.metric] if ckpt.metric in own_val else step_metrics.get(ckpt.metric)
+                if own_val and metric is None and ckpt.metric and not warned_metric:
+                    warned_metric = True  # with a validation at hand every metric exists: the name is wrong
+                    near = difflib.get_close_matches(ckpt.metric, [*own_val, *step_metrics], n=1)
+                    logger.warning("checkpointing.metric=%r is not a metric of this run%s: keep-top-k keeps the newest "
+                                   "checkpoints only", ckpt.metric, f" (did you mean {near[0]!r}?)" if near else "")
+                ahead = run.rollouts.ahead_bytes()
+                with_hf = ckpt.save_hf == "every" or (ckpt.save_hf == "final" and done)
+                saved = run.checkpoints.save(step + 1, run.workers.save_checkpoint, trainer_state(run, step + 1, metric),
+                                             files={SAMPLED_AHEAD_FILE: ahead} if ahead is not None else None,
+                                             save_hf=run.workers.save_hf if with_hf else None)
+                if with_hf and done:
+                    logger.info("trained policy as a Hugging Face model (transformers, vLLM): %s", saved / HF_DIR)
