@@ -17,7 +17,7 @@ from rl_core.testing.reference import run_reference_check
 LENGTHS = [5, 9, 7, 12, 3, 10, 8, 6]
 
 
-def _check(rank: int, world: int, path: str) -> dict:
+def _check(rank: int, world: int, path: str, snapshot_after_forward: bool) -> dict:
     engine = DTensorEngine(make_policy(path, train_micro_batch_size=2))
     batch = random_token_batch(100, LENGTHS, seed=3)
     mine = list(range(rank, len(batch), world))
@@ -25,7 +25,7 @@ def _check(rank: int, world: int, path: str) -> dict:
     # the sharded parameters, listed now: after a forward FSDP2 leaves the root module's unsharded ones in place
     params = list(engine.model.parameters())
     result = run_reference_check(engine, batch.select(mine), ClippedPGLoss(), params=params,
-                                 optimizer_tensors=optimizer_tensors)
+                                 optimizer_tensors=optimizer_tensors, snapshot_after_forward=snapshot_after_forward)
     optimizer_tensors += [t for state in engine.optimizer.state.values() for t in state.values()
                           if torch.is_tensor(t) and t.dim() > 0]
     saved = {t.untyped_storage().data_ptr() for t in engine.reference.saved}
@@ -36,11 +36,14 @@ def _check(rank: int, world: int, path: str) -> dict:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [1, 2])
-def test_reference_policy_is_the_initial_model_weights_only(ckpt, world: int) -> None:
+@pytest.mark.parametrize("snapshot_after_forward", [False, True], ids=["snapshot_first", "snapshot_after_forward"])
+def test_reference_policy_is_the_initial_model_weights_only(ckpt, world: int, snapshot_after_forward: bool) -> None:
+    """Also with the snapshot taken after a forward, when FSDP2 holds the root's parameters unsharded (the copy was of
+    those, whose storage the next reshard freed: the reference pass segfaulted)."""
     path = ckpt("qwen2")
     batch = random_token_batch(100, LENGTHS, seed=3)
     hf = hf_reference_logprobs(path, batch.input_ids)
-    for result in run_distributed(_check, world, args=(path,)):
+    for result in run_distributed(_check, world, args=(path, snapshot_after_forward), timeout=120):
         expected = [hf[i] for i in result["indices"]]
         assert max_abs_diff(result["ref"], expected) <= 1e-5
         assert max_abs_diff(result["policy_before"], expected) > 1e-3  # the policy did move

@@ -53,6 +53,10 @@ def test_nested_sections_are_checked_against_megatron() -> None:
         parse_megatron_config({"distributed_data_parallel_config": {"bucket_sise": 10}})
     with pytest.raises(ConfigError, match=r"distributed_data_parallel_config\.overlap_param_gather=true is not "):
         parse_megatron_config({"distributed_data_parallel_config": {"overlap_param_gather": True}})
+    with pytest.raises(ConfigError, match=r"optimizer\.use_distributed_optimizer=False contradicts .*"
+                                          r"distributed_data_parallel_config\.use_distributed_optimizer=True: they are "):
+        parse_megatron_config({"optimizer": {"use_distributed_optimizer": False},
+                               "distributed_data_parallel_config": {"use_distributed_optimizer": True}})
     on = {"overlap_grad_reduce": True}
     assert parse_megatron_config({"distributed_data_parallel_config": on}).distributed_data_parallel_config == on
 

@@ -243,6 +243,9 @@ class DTensorEngine(TrainingEngine):
         if self.cfg.lora_cfg.enabled:
             self.reference = BaseModelReference(lora.lora_modules(self.model))
         else:
+            # after a forward FSDP2 leaves the root's parameters unsharded: the copy is of the shards (the
+            # unsharded tensors' storage is freed at the next reshard, and the swap read freed memory: a segfault)
+            self._reshard()
             self.reference = FrozenWeights(self.model.parameters())
 
     def compute_ref_logprobs(self, batch: TokenBatch) -> list[Tensor]:

@@ -224,8 +224,27 @@ def parse_megatron_config(raw: dict[str, Any], section: str = SECTION) -> Megatr
         # a refit per step there is nothing for the gather to overlap with.
         raise ConfigError(f"{section}.distributed_data_parallel_config.overlap_param_gather=true is not supported: "
                           "the weight refit after every step needs the parameters gathered at once; remove the key")
+    _one_distributed_optimizer_setting(section, cfg)
     cfg.transformer_config = extra
     return cfg
+
+
+def _one_distributed_optimizer_setting(section: str, cfg: MegatronConfig) -> None:
+    """megatron reads `use_distributed_optimizer` in two places, the optimizer and DDP (the latter reduce-scatters the
+    grads for it): set in one, the other follows; contradicting values are an error. Apart, a DDP that
+    reduce-scattered fed a whole-buffer optimizer half-reduced grads (ranks stepped on different grad norms), and the
+    other way round megatron failed at the first step."""
+    keys = ("optimizer", "distributed_data_parallel_config")
+    given = {key: getattr(cfg, key)["use_distributed_optimizer"] for key in keys
+             if "use_distributed_optimizer" in getattr(cfg, key)}
+    if len(set(given.values())) > 1:
+        raise ConfigError(f"{section}.optimizer.use_distributed_optimizer={given['optimizer']} contradicts "
+                          f"{section}.distributed_data_parallel_config.use_distributed_optimizer="
+                          f"{given['distributed_data_parallel_config']}: they are one setting; set one of them")
+    if given:
+        value = next(iter(given.values()))
+        for key in keys:
+            setattr(cfg, key, {**getattr(cfg, key), "use_distributed_optimizer": value})
 
 
 @dataclass(kw_only=True)

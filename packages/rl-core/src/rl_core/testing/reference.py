@@ -13,15 +13,19 @@ from rl_core.reference import local_tensor
 
 
 def run_reference_check(engine: Any, batch: TokenBatch, loss_fn: LossFn, *, params: Iterable[Tensor],
-                        optimizer_tensors: Iterable[Tensor]) -> dict[str, Any]:
-    """Snapshot the reference, train one step, then run the reference and the policy passes.
+                        optimizer_tensors: Iterable[Tensor], snapshot_after_forward: bool = False) -> dict[str, Any]:
+    """Snapshot the reference (as the trainer does, before any forward; or after one), train one step, then run
+    the reference and the policy passes.
 
     params: the engine's parameters as this rank's shards (listed before any forward); optimizer_tensors: every parameter and state
     tensor its optimizer holds. Returns the logprobs and the memory facts the tests assert on.
     """
     params = list(params)
-    engine.snapshot_reference()
+    if not snapshot_after_forward:
+        engine.snapshot_reference()
     prev = engine.compute_logprobs(batch)
+    if snapshot_after_forward:
+        engine.snapshot_reference()
     engine.train_batch(batch.with_fields(prev_logprobs=prev), loss_fn)
     policy_before = engine.compute_logprobs(batch)
     ref = engine.compute_ref_logprobs(batch)
