@@ -303,7 +303,7 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
     advantages = grpo_advantages(rewards, group_ids, normalize_std=cfg.grpo.normalize_std,
                                  leave_one_out=cfg.grpo.leave_one_out, batch_normalize=cfg.grpo.batch_normalize,
                                  clip=cfg.grpo.advantage_clip)
-    warn_if_no_advantage(step, rewards, advantages)
+    warn_if_no_advantage(step, rewards, advantages, cfg.loss.kl_coef)
     batch = build_batch(prompts, completions, advantages, cfg.grpo.overlong_filtering)
     with timer("logprobs"):
         if not one_update_per_batch(run.cfg, len(batch)):  # else the loss takes prev from its own forward
@@ -328,15 +328,15 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
     return metrics
 
 
-def warn_if_no_advantage(step: int, rewards: torch.Tensor, advantages: torch.Tensor) -> None:
+def warn_if_no_advantage(step: int, rewards: torch.Tensor, advantages: torch.Tensor, kl_coef: float) -> None:
     """Every group's completions scored alike (a constant reward, a task too hard or too easy for the model):
-    the advantages are 0 and the step trains on the KL term alone. Said in the log, as the metrics show it only as
-    rollout/advantages_abs_mean 0."""
+    the advantages are 0 and the step trains on the KL term alone, or on nothing. Said in the log, as the metrics
+    show it only as rollout/advantages_abs_mean 0."""
     if not bool(advantages.any()):
+        trains_on = "nothing but the KL term" if kl_coef else "nothing (loss.kl_coef=0)"
         logger.warning("step %d: every group's completions got the same reward (reward_mean %.4g): all advantages "
-                       "are 0, so this step trains on nothing but the KL term; if it persists, check the reward "
-                       "function and the task's difficulty (grpo.dynamic_sampling drops such groups)", step,
-                       float(rewards.mean()))
+                       "are 0, so this step trains on %s; if it persists, check the reward function and the task's "
+                       "difficulty (grpo.dynamic_sampling drops such groups)", step, float(rewards.mean()), trains_on)
 
 
 def rollout_metrics(rewards, results, completions, lengths, timer: PhaseTimer) -> dict[str, float]:

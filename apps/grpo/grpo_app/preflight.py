@@ -160,16 +160,24 @@ def check_optimizer(optimizer: OptimizerConfig) -> None:
 
 
 def check_schedule(cfg: GRPOConfig) -> None:
-    """A decaying lr schedule shorter than the run holds the lr at min_lr_ratio x lr for the rest of it (0 by
-    default: steps that train nothing): said once, before the run."""
+    """A decaying lr schedule of another length than the run, said once before it: a shorter one holds the lr at
+    min_lr_ratio x lr for the rest of the run (0 by default: steps that train nothing), a longer one ends the run
+    before the decay does (the default total_steps=1000 under a 100-step cosine run ended at 0.977 x lr)."""
     sched = cfg.policy.scheduler
     samples = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
     optimizer_steps = cfg.grpo.max_steps * max(1, samples // cfg.policy.train_global_batch_size)
-    if sched.decay != "constant" and sched.total_steps < optimizer_steps:
+    if sched.decay == "constant" or sched.total_steps == optimizer_steps:
+        return
+    if sched.total_steps < optimizer_steps:
         logger.warning("policy.scheduler.total_steps=%d is fewer than this run's %d optimizer steps (grpo.max_steps=%d): "
                        "after it the lr stays at min_lr_ratio x lr = %g; set total_steps=%d to decay over the run",
                        sched.total_steps, optimizer_steps, cfg.grpo.max_steps,
                        sched.min_lr_ratio * float(cfg.policy.optimizer.kwargs["lr"]), optimizer_steps)
+    else:
+        logger.warning("policy.scheduler.total_steps=%d is more than this run's %d optimizer steps (grpo.max_steps=%d): "
+                       "the %s decay ends the run at %.3g x lr, not at min_lr_ratio=%g; set total_steps=%d to decay over "
+                       "the run", sched.total_steps, optimizer_steps, cfg.grpo.max_steps, sched.decay,
+                       sched.lr_factor(optimizer_steps - 1), sched.min_lr_ratio, optimizer_steps)
 
 
 def _model_parallel(engine_cfg: Any) -> dict[str, int]:

@@ -488,9 +488,12 @@ def test_a_step_whose_groups_all_scored_alike_is_warned_about(caplog):
 
     rewards, groups = torch.tensor([0.5] * 4 + [1.0] * 4), torch.tensor([0] * 4 + [1] * 4)
     with caplog.at_level(logging.WARNING, logger="grpo_app.loop"):
-        loop.warn_if_no_advantage(3, rewards, grpo_advantages(rewards, groups))
-    assert "step 3: every group's completions got the same reward (reward_mean 0.75): all advantages are 0" in caplog.text
+        loop.warn_if_no_advantage(3, rewards, grpo_advantages(rewards, groups), kl_coef=0.0)
+        loop.warn_if_no_advantage(3, rewards, grpo_advantages(rewards, groups), kl_coef=0.01)
+    assert ("step 3: every group's completions got the same reward (reward_mean 0.75): all advantages are 0, so this "
+            "step trains on nothing (loss.kl_coef=0);") in caplog.text  # it said "but the KL term" with no KL term
+    assert "so this step trains on nothing but the KL term;" in caplog.text
     caplog.clear()
     rewards[0] = 0.0
-    loop.warn_if_no_advantage(4, rewards, grpo_advantages(rewards, groups))
+    loop.warn_if_no_advantage(4, rewards, grpo_advantages(rewards, groups), kl_coef=0.0)
     assert not caplog.text

@@ -6,6 +6,7 @@ import dataclasses
 import datetime
 import json
 import logging
+import math
 import shutil
 import socket
 import subprocess
@@ -787,6 +788,20 @@ def test_a_decaying_schedule_shorter_than_the_run_is_warned_about(caplog):
     caplog.clear()
     check_schedule(load_config(None, ["grpo.max_steps=3", "policy.scheduler.decay=linear",
                                       "policy.scheduler.total_steps=3"]))
+    assert not caplog.text
+
+
+def test_a_decaying_schedule_longer_than_the_run_is_warned_about(caplog):
+    """cosine with the default total_steps=1000 on the default 100-step run ended at 0.977 x lr, without a word."""
+    from grpo_app.preflight import check_schedule
+
+    with caplog.at_level(logging.WARNING, logger="grpo_app.preflight"):
+        check_schedule(load_config(None, ["policy.scheduler.decay=cosine"]))
+    factor = 0.5 * (1 + math.cos(math.pi * 97 / 998))  # independent: cosine at step 99 of 1000, 2 of them warmup
+    assert (f"policy.scheduler.total_steps=1000 is more than this run's 100 optimizer steps (grpo.max_steps=100): the "
+            f"cosine decay ends the run at {factor:.3g} x lr, not at min_lr_ratio=0") in caplog.text
+    caplog.clear()
+    check_schedule(load_config(None, ["policy.scheduler.decay=cosine", "policy.scheduler.total_steps=100"]))
     assert not caplog.text
 
 
