@@ -25,6 +25,7 @@ from grpo_app.build import RunInputs, checkpoint_manager, find_resume_point, loa
 from grpo_app.checkpoint import DamagedOnLoad, ResumePoint, check_prompts
 from grpo_app.config import GRPOConfig, load_config
 from grpo_app.preflight import preflight
+from grpo_app.run_lock import hold_run_dir
 from rl_core.config import ConfigError, to_dict
 from rollout.environments.base import RewardFailureError
 
@@ -160,6 +161,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # nothing started yet: nothing to clean up, and no traceback from deep in an import
         logger.error("run stopped: interrupted (SIGINT) while checking the config, before anything started")
         return 130
+    try:
+        with hold_run_dir(Path(cfg.logger.log_dir)):
+            return _train_from_newest_checkpoint(cfg, inputs)
+    except ConfigError as exc:  # another run holds the directory
+        logger.error("%s", exc)
+        return 2
+
+
+def _train_from_newest_checkpoint(cfg: GRPOConfig, inputs: RunInputs) -> int:
+    """Train from the newest intact checkpoint (from the next older one when the engine finds it damaged)."""
     known_damaged: dict[Path, str] = {}  # checkpoints an engine found damaged as it loaded them
     while True:
         try:

@@ -307,3 +307,29 @@ def test_a_start_that_fails_closes_the_reward_pools_it_started(tmp_path, monkeyp
     (outcome,) = run_distributed(_start_workers, world_size=1, args=(cfg,), start_method="spawn")
     assert outcome != "started"  # the policy rank's failure came out of Workers(cfg) as a Ray error
     assert not list(temp.glob("reward-pool-*"))
+
+
+def test_a_second_run_in_the_same_directory_is_refused(tmp_path, caplog, monkeypatch):
+    """Two runs on one logger.log_dir wrote the same metrics and checkpoints; the second now stops before Ray, naming
+    the first. The lock goes with the process that held it: the next run starts."""
+    from grpo_app.run_lock import hold_run_dir
+
+    ran = []
+    monkeypatch.setattr(cli, "run_training", lambda *args: ran.append(True))
+    argv = ["grpo.max_steps=2", f"logger.log_dir={tmp_path / 'run'}"]
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time, pathlib\n"
+                               "from grpo_app.run_lock import hold_run_dir\n"
+                               f"with hold_run_dir(pathlib.Path({str(tmp_path / 'run')!r})):\n"
+                               "    print('held', flush=True); time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with caplog.at_level(logging.ERROR, logger="grpo"):
+            assert cli.main(argv) == 2
+        assert f"logger.log_dir={tmp_path / 'run'} is in use by another run (pid {holder.pid} on " in caplog.text
+        assert not ran
+    finally:
+        holder.kill()
+        holder.wait()
+    assert cli.main(argv) == 0 and ran == [True]
+    with hold_run_dir(tmp_path / "run"):  # released by the run that ended
+        pass
