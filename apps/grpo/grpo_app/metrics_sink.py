@@ -169,7 +169,7 @@ class MetricsSink:
         return path
 
     def summary(self) -> str:
-        """Validation reward before/after and the mean time per phase, as a text table."""
+        """Validation reward before/after and the mean time per phase, as a text table; then where the metrics are."""
         _, val = self.series("val/reward_mean")
         lines = []
         if val:
@@ -189,6 +189,9 @@ class MetricsSink:
                 lines.append(f"{phase + ' *':<12} {mean:>12.3f}")
             lines.append(f"* of the {len(ahead)} steps whose groups were sampled beside the previous step's training "
                          "(grpo.async_rollouts)")
+        lines.append(f"metrics: {self.jsonl_path}")
+        if self.writer is not None:
+            lines.append(f"TensorBoard: tensorboard --logdir {self.log_dir / 'tensorboard'}")
         return "\n".join(lines)
 
     def _phase_times(self) -> tuple[list[int], list[dict[str, float]]]:

@@ -452,7 +452,9 @@ def test_async_summary_counts_the_wait_not_the_generation_sampled_beside_the_ste
                  "rollout/sampled_ahead": 0.0})
     sink.log(1, {"timing/generate_s": 2.0, "timing/reward_s": 1.0, "timing/logprobs_s": 0.0, "timing/train_s": 5.0,
                  "timing/refit_s": 1.0, "timing/step_s": 6.1, "rollout/sampled_ahead": 1.0})
-    rows = [line.split() for line in sink.summary().splitlines()[1:]]
+    *table, where = sink.summary().splitlines()
+    assert where == f"metrics: {tmp_path / 'metrics.jsonl'}"  # the run never said where its metrics went
+    rows = [line.split() for line in table[1:]]
     own = {row[0]: row[1] for row in rows if row[1] != "*"}  # phase -> mean s/step the steps spent themselves
     beside = {row[0]: row[2] for row in rows if row[1] == "*"}
     per_step = [4.0 + 1.0 + 0.5 + 0.0 + 3.0 + 1.0, 0.0 + 5.0 + 1.0]  # step 1: its sampling ran beside step 0
