@@ -180,6 +180,11 @@ def _train_from_newest_checkpoint(cfg: GRPOConfig, inputs: RunInputs) -> int:
         except (ConfigError, ValueError) as exc:  # CheckpointError is a ValueError
             logger.error("%s", exc)
             return 2
+        if resume_point is not None and resume_point.step == cfg.grpo.max_steps:  # not ~30 s of Ray to learn it
+            logger.info("the run in %s is complete: %s is step %d of grpo.max_steps=%d, nothing is left to train; "
+                        "raise grpo.max_steps to train on, or set another logger.log_dir for a new run",
+                        cfg.logger.log_dir, resume_point.path, resume_point.step, cfg.grpo.max_steps)
+            return 0
         try:
             return _train(cfg, inputs, resume_point)
         except DamagedOnLoad as exc:  # Ray is down again: the next older checkpoint, as if found damaged first

@@ -333,3 +333,19 @@ def test_a_second_run_in_the_same_directory_is_refused(tmp_path, caplog, monkeyp
     assert cli.main(argv) == 0 and ran == [True]
     with hold_run_dir(tmp_path / "run"):  # released by the run that ended
         pass
+
+
+def test_a_complete_run_started_again_says_so_without_starting_ray(tmp_path, caplog, monkeypatch):
+    """It took ~30 s of Ray and workers, validated again and exited 0 without a word on the run being complete."""
+    from grpo_app.checkpoint import ResumePoint
+
+    ran = []
+    monkeypatch.setattr(cli, "run_training", lambda *args: ran.append(True))
+    point = ResumePoint(tmp_path / "run/checkpoints/step_2", {"step": 2})
+    monkeypatch.setattr(cli, "find_resume_point", lambda cfg, damaged: point)
+    monkeypatch.setattr(cli, "check_prompts", lambda *args, **kwargs: None)
+    with caplog.at_level(logging.INFO, logger="grpo"):
+        assert cli.main(["grpo.max_steps=2", f"logger.log_dir={tmp_path / 'run'}"]) == 0
+    assert not ran and f"the run in {tmp_path / 'run'} is complete: {point.path} is step 2 of grpo.max_steps=2" \
+        in caplog.text
+    assert cli.main(["grpo.max_steps=3", f"logger.log_dir={tmp_path / 'run'}"]) == 0 and ran == [True]  # trains on
