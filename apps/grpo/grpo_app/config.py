@@ -425,7 +425,8 @@ def _record_key_lines(node: yaml.Node, path: str, prefix: str, key_lines: dict[s
 def _with_file_line(exc: ConfigError, key_lines: dict[str, str]) -> ConfigError:
     """`exc` prefixed with the file and line that set the config key it is about, the first it names, quoted or
     dotted (none for a key that came from the command line)."""
-    first = re.search(r"'([a-z_][\w.-]*)'|\b([a-z_]+(?:\.[\w-]+)+)", str(exc))
+    # a quoted key as the user wrote it (POLICY, +grpo), so a suggestion after it is not taken for it
+    first = re.search(r"'([A-Za-z_+~][\w.+~-]*)'|\b([a-z_]+(?:\.[\w-]+)+)", str(exc))
     key = first and (first[1] or first[2])
     return ConfigError(f"{key_lines[key]}: {exc}") if key in key_lines else exc
 
@@ -437,6 +438,10 @@ def apply_override(data: dict, assignment: str) -> None:
                           "argument, without spaces around '=' (grpo.max_steps=5; quote a value with spaces: "
                           "'env.system_prompt=Be brief.')")
     dotted, raw = assignment.split("=", 1)
+    if dotted.startswith(("+", "~")):
+        bare = dotted.lstrip("+~")
+        raise ConfigError(f"override {assignment!r}: '{dotted[: len(dotted) - len(bare)]}' is Hydra's syntax; here "
+                          f"every key is set the same way, whether the config file has it or not: {bare}={raw}")
     keys = dotted.strip().split(".")
     node = data
     for depth, key in enumerate(keys[:-1]):

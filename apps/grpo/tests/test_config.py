@@ -37,6 +37,16 @@ def test_unknown_key_names_the_nearest(tmp_path):
         load_config(path, ["polcy.model_name=x"])
 
 
+def test_hydra_prefixes_and_a_misspelt_section_from_the_command_line(tmp_path):
+    """`+grpo.max_steps=5` (Hydra's syntax) was an unknown key '+grpo' reported at the line of the default config that
+    sets 'grpo', where the user wrote nothing; `POLICY.x` the same for 'policy'."""
+    with pytest.raises(ConfigError, match=r"^override '\+\+grpo.max_steps=5': '\+\+' is Hydra's syntax; here every key "
+                                          r"is set the same way, whether the config file has it or not: grpo.max_steps=5$"):
+        load_config(None, ["++grpo.max_steps=5"])
+    with pytest.raises(ConfigError, match=r"^unknown config key 'POLICY'.*did you mean 'policy'"):  # no file:line
+        load_config(None, ["POLICY.max_grad_norm=1"])
+
+
 def test_wrong_type_is_named(tmp_path):
     path = write(tmp_path / "c.yaml", "policy: {model_name: m}\n")
     with pytest.raises(ConfigError, match=r"'grpo.max_steps' must be an integer; got str 'many'"):
