@@ -117,8 +117,17 @@ def check_hardware(cluster: Any, hw: Hardware) -> None:
                           f"set cluster.gpus_per_node<={hw.num_gpus} (and cluster.train_world_size to fit)")
 
 
+PRECISIONS = (AUTO, "float32", "bfloat16", "float16")
+# what verl and DeepSpeed users write: named in the error, not accepted (one spelling in configs and checkpoints)
+PRECISION_ALIASES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16", "half": "float16"}
+
+
 def resolve_precision(policy: dict, device: str, hw: Hardware, *, local: bool) -> str:
     precision = policy.get("precision", "float32")
+    if precision not in PRECISIONS:  # here, before validation, which would not list `auto`
+        alias = PRECISION_ALIASES.get(str(precision).lower())
+        hint = f" ({precision} is spelt {alias} here)" if alias else ""
+        raise ConfigError(f"policy.precision={precision!r}: choose one of {list(PRECISIONS)}{hint}")
     if precision != AUTO:
         return precision
     # A remote cluster's GPUs are invisible to the driver: assume bf16 there (every GPU since Ampere).

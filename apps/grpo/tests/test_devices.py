@@ -44,6 +44,13 @@ def test_auto_device_precision_and_generator(hardware, overrides, expected):
     assert got == expected
 
 
+def test_a_precision_spelt_as_elsewhere_is_named_with_the_spelling_here():
+    """`bf16` (verl's spelling) got a list of choices without `auto`, which this key accepts."""
+    with pytest.raises(ConfigError, match=r"^policy.precision='bf16': choose one of \['auto', 'float32', 'bfloat16', "
+                                          r"'float16'\] \(bf16 is spelt bfloat16 here\)$"):
+        load_config(None, ["policy.precision=bf16"], hardware=ONE_GPU)
+
+
 def test_generator_on_cpu_while_policy_on_gpu_warns(caplog):
     with caplog.at_level(logging.WARNING, logger="grpo_app.devices"):
         cfg = load_config(None, ["generation.backend_kwargs.device=cpu"], hardware=ONE_GPU)
