@@ -180,6 +180,29 @@ def check_schedule(cfg: GRPOConfig) -> None:
                        sched.lr_factor(optimizer_steps - 1), sched.min_lr_ratio, optimizer_steps)
 
 
+VAL_METRICS = ("val/reward_mean", "val/accuracy")  # loop.validate's (accuracy: tasks that judge correctness)
+
+
+def check_checkpoint_scoring(cfg: GRPOConfig) -> None:
+    """keep-top-k ranks checkpoints by `checkpointing.metric`: a validation metric that does not exist is an error now
+    (it was a warning at the first checkpoint, 20 steps in, and keep-top-k kept the newest), and checkpoints that no
+    validation scores are said before the run."""
+    ckpt, val_every = cfg.checkpointing, cfg.grpo.val_every
+    if not ckpt.enabled or not ckpt.metric.startswith("val/"):  # a train/rollout metric scores every checkpoint
+        return
+    if ckpt.metric not in VAL_METRICS:
+        near = closest_key(ckpt.metric, list(VAL_METRICS))
+        raise ConfigError(f"checkpointing.metric={ckpt.metric!r} is not a validation metric; they are "
+                          f"{list(VAL_METRICS)}{f' (did you mean {near!r}?)' if near else ''}, or a train/ or "
+                          "rollout/ metric of the step")
+    if not val_every:
+        logger.warning("checkpointing.metric=%s with grpo.val_every=0: no validation scores a checkpoint, so "
+                       "keep-top-k keeps the newest %d", ckpt.metric, ckpt.keep_top_k)
+    elif ckpt.save_every % val_every:
+        logger.warning("checkpointing.save_every=%d is not a multiple of grpo.val_every=%d: checkpoints saved between "
+                       "validations get no %s and rank last in keep-top-k", ckpt.save_every, val_every, ckpt.metric)
+
+
 def _model_parallel(engine_cfg: Any) -> dict[str, int]:
     """The model-parallel degrees an engine's validated section sets (megatron: tp/pp/cp; dtensor: TP)."""
     degrees = {name: getattr(engine_cfg, name) for name in ("tp", "pp", "cp") if hasattr(engine_cfg, name)}
@@ -568,6 +591,7 @@ def preflight(cfg: GRPOConfig, *, training: bool = True) -> GRPOConfig:
     if training:  # eval logs to no W&B run, and steps no schedule
         check_wandb_installed(cfg.logger.wandb)
         check_schedule(cfg)
+        check_checkpoint_scoring(cfg)
     check_environment(cfg, training=training)
     check_reward_function(cfg)
     cfg = resolve_model(cfg)
