@@ -183,11 +183,14 @@ def check_schedule(cfg: GRPOConfig) -> None:
 VAL_METRICS = ("val/reward_mean", "val/accuracy")  # loop.validate's (accuracy: tasks that judge correctness)
 
 
-def check_checkpoint_scoring(cfg: GRPOConfig) -> None:
-    """keep-top-k ranks checkpoints by `checkpointing.metric`: a validation metric that does not exist is an error now
-    (it was a warning at the first checkpoint, 20 steps in, and keep-top-k kept the newest), and checkpoints that no
-    validation scores are said before the run."""
+def check_checkpointing(cfg: GRPOConfig) -> None:
+    """A run that saves no model is said before it starts. keep-top-k ranks checkpoints by `checkpointing.metric`: a
+    validation metric that does not exist is an error now (it was a warning at the first checkpoint, 20 steps in, and
+    keep-top-k kept the newest), and checkpoints that no validation scores are said before the run."""
     ckpt, val_every = cfg.checkpointing, cfg.grpo.val_every
+    if not ckpt.enabled and ckpt.save_hf != "never":
+        logger.warning("checkpointing.enabled=false: the trained policy is not saved (checkpointing.save_hf=%s writes "
+                       "into a checkpoint); set checkpointing.enabled=true to keep it", ckpt.save_hf)
     if not ckpt.enabled or not ckpt.metric.startswith("val/"):  # a train/rollout metric scores every checkpoint
         return
     if ckpt.metric not in VAL_METRICS:
@@ -591,7 +594,7 @@ def preflight(cfg: GRPOConfig, *, training: bool = True) -> GRPOConfig:
     if training:  # eval logs to no W&B run, and steps no schedule
         check_wandb_installed(cfg.logger.wandb)
         check_schedule(cfg)
-        check_checkpoint_scoring(cfg)
+        check_checkpointing(cfg)
     check_environment(cfg, training=training)
     check_reward_function(cfg)
     cfg = resolve_model(cfg)

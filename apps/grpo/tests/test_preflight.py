@@ -826,23 +826,26 @@ def test_a_path_starting_with_a_tilde_is_in_the_home_directory(tmp_path, monkeyp
     assert cfg.env.train_data == cfg.env.val_data == f"{tmp_path}/p.jsonl"
 
 
-def test_checkpoint_scoring_is_checked_before_the_run(caplog):
-    """A misspelt validation metric was a warning at the first checkpoint (keep-top-k then kept the newest); a
+def test_checkpointing_is_checked_before_the_run(caplog):
+    """A run without checkpoints saves no model, which it did without a word. A misspelt validation metric was a warning at the first checkpoint (keep-top-k then kept the newest); a
     validation that never scores a checkpoint was not mentioned. Every shipped recipe scores all of its own."""
     from grpo_app.config import CONFIG_DIR
-    from grpo_app.preflight import check_checkpoint_scoring
+    from grpo_app.preflight import check_checkpointing
 
     with pytest.raises(ConfigError, match=r"checkpointing.metric='val/reward_meen' is not a validation metric; they are "
                                           r"\['val/reward_mean', 'val/accuracy'\] \(did you mean 'val/reward_mean'\?\)"):
-        check_checkpoint_scoring(load_config(None, ["checkpointing.metric=val/reward_meen"]))
+        check_checkpointing(load_config(None, ["checkpointing.metric=val/reward_meen"]))
     with caplog.at_level(logging.WARNING, logger="grpo_app.preflight"):
-        check_checkpoint_scoring(load_config(None, ["grpo.val_every=0"]))
-        check_checkpoint_scoring(load_config(None, ["grpo.val_every=3"]))
-        check_checkpoint_scoring(load_config(None, ["checkpointing.metric=train/loss", "grpo.val_every=0"]))
+        check_checkpointing(load_config(None, ["grpo.val_every=0"]))
+        check_checkpointing(load_config(None, ["grpo.val_every=3"]))
+        check_checkpointing(load_config(None, ["checkpointing.metric=train/loss", "grpo.val_every=0"]))
+        check_checkpointing(load_config(None, ["checkpointing.enabled=false"]))  # ran, exit 0, and saved no model
+        check_checkpointing(load_config(None, ["checkpointing.enabled=false", "checkpointing.save_hf=never"]))
     assert [r.getMessage().split(":")[0] for r in caplog.records] == [
         "checkpointing.metric=val/reward_mean with grpo.val_every=0",
-        "checkpointing.save_every=20 is not a multiple of grpo.val_every=3"]
+        "checkpointing.save_every=20 is not a multiple of grpo.val_every=3",
+        "checkpointing.enabled=false"]
     caplog.clear()
     for recipe in sorted(CONFIG_DIR.glob("*.yaml")):
-        check_checkpoint_scoring(load_config(recipe, []))
+        check_checkpointing(load_config(recipe, []))
     assert not caplog.records, [r.getMessage() for r in caplog.records]
