@@ -29,7 +29,7 @@ from grpo_app.colocation import Colocation
 from grpo_app.config import GRPOConfig
 from grpo_app.devices import generation_tp_size
 from grpo_app.refit import RefitPath, num_gpus_needed, refit_path
-from grpo_app.workers import GenerationWorker, PolicyWorker, RewardWorker
+from grpo_app.workers import LOG_LEVEL_ENV, GenerationWorker, PolicyWorker, RewardWorker
 from rl_core.batch import TokenBatch
 from rl_core.config import ConfigError
 from rl_core.distributed import free_port
@@ -64,7 +64,7 @@ def start_ray(cfg: GRPOConfig) -> None:
         # RAY_py_gcs_connect_timeout_s before ray is imported, which also cuts a local Ray's own startup.)
         os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "1")
         try:
-            ray.init(address=cfg.cluster.address, log_to_driver=True)
+            ray.init(address=cfg.cluster.address, log_to_driver=True, runtime_env=_worker_env())
         except (ConnectionError, RuntimeError) as exc:
             raise ConfigError(f"cluster.address={cfg.cluster.address!r}: Ray could not join a cluster there "
                               f"({str(exc).splitlines()[0]}); check the address and, if the cluster uses token "
@@ -87,7 +87,12 @@ def start_ray(cfg: GRPOConfig) -> None:
     # address "local": a new local Ray even where RAY_ADDRESS is set or a `ray start` cluster runs on this
     # machine (ray.init() would join it, and then refuses num_cpus)
     ray.init(address="local", num_cpus=cfg.cluster.num_cpus or os.cpu_count(), include_dashboard=False,
-             _node_ip_address=LOOPBACK, log_to_driver=True, configure_logging=False)
+             _node_ip_address=LOOPBACK, log_to_driver=True, configure_logging=False, runtime_env=_worker_env())
+
+
+def _worker_env() -> dict:
+    """What every worker process gets: the driver's log level (--log-level), for its logging."""
+    return {"env_vars": {LOG_LEVEL_ENV: logging.getLevelName(logging.getLogger().getEffectiveLevel())}}
 
 
 def stop_ray() -> None:

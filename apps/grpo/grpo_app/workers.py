@@ -43,10 +43,15 @@ def peak_gpu_memory() -> dict[str, float]:
     return all_reduce_metrics({"gpu_allocated_gib_max": torch.cuda.max_memory_allocated() / 2**30})
 
 
+LOG_LEVEL_ENV = "GRPO_LOG_LEVEL"  # the driver's log level, set by cluster.start_ray
+
+
 def _setup_process(num_threads: int) -> None:
     from transformers.utils import logging as hf_logging
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    # the driver's --log-level (cluster.start_ray); the format is the driver's too
+    logging.basicConfig(level=os.environ.get(LOG_LEVEL_ENV, "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(max(1, num_threads))
     # transformers' bars (loading weights) from every rank would interleave in the driver's log, where Ray turns
     # each redraw into a line of its own (the driver logs when the workers are up)

@@ -74,3 +74,28 @@ def test_a_local_run_starts_its_own_ray_where_another_cluster_is_announced(monke
         assert "RAY_ADDRESS=127.0.0.1:1 is set but cluster.address is not" in caplog.text
     finally:
         ray.shutdown()
+
+
+@ray.remote(num_cpus=0)
+def _worker_log_level() -> int:
+    import logging
+
+    from grpo_app.workers import _setup_process
+
+    _setup_process(1)
+    return logging.getLogger().getEffectiveLevel()
+
+
+def test_workers_log_at_the_drivers_level():
+    """--log-level WARNING quietened the driver only: every worker went on logging at INFO."""
+    import logging
+
+    root = logging.getLogger()
+    before = root.level
+    root.setLevel(logging.WARNING)
+    try:
+        start_ray(load_config(None, ["cluster.num_cpus=1"]))
+        assert ray.get(_worker_log_level.remote()) == logging.WARNING
+    finally:
+        root.setLevel(before)
+        ray.shutdown()
