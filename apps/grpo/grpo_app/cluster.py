@@ -64,7 +64,8 @@ def start_ray(cfg: GRPOConfig) -> None:
         # RAY_py_gcs_connect_timeout_s before ray is imported, which also cuts a local Ray's own startup.)
         os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "1")
         try:
-            ray.init(address=cfg.cluster.address, log_to_driver=True, runtime_env=_worker_env())
+            # no runtime_env of ours here: a job submitted to the cluster may carry its own (workers log at INFO)
+            ray.init(address=cfg.cluster.address, log_to_driver=True)
         except (ConnectionError, RuntimeError) as exc:
             raise ConfigError(f"cluster.address={cfg.cluster.address!r}: Ray could not join a cluster there "
                               f"({str(exc).splitlines()[0]}); check the address and, if the cluster uses token "
