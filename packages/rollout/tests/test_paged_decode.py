@@ -189,6 +189,22 @@ def test_paged_refuses_mixture_of_experts_and_auto_decodes_them_dense(model_cach
         TorchGenerationBackend(str(path), decode="fast")
 
 
+@pytest.mark.parametrize("model_type", ["granite", "glm4", "olmo"])
+def test_paged_refuses_architectures_it_does_not_compute(tmp_path, model_type):
+    """Llama's module names with more math in the layer (Granite's multipliers, GLM-4's post-norms, OLMo's clip_qkv):
+    the paged path ran them as Llama, 1 to 2.7 nats off HF's logprobs, and decode=auto chose it on CUDA."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=2, vocab_size=100,
+                                  pad_token_id=0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=rf"computes the decoder layers of \['llama', 'mistral', 'qwen2', 'qwen3'\]; "
+                                         rf".*model_type '{model_type}'.*set decode=dense"):
+        TorchGenerationBackend.check_model(str(tmp_path), {"decode": "paged"})
+    TorchGenerationBackend.check_model(str(tmp_path), {"device": "cuda"})  # auto on CUDA: dense
+
+
 def test_paged_rejects_length_dependent_rope(model_cache):
     """Dynamic NTK / LongRoPE frequencies come from the batch's longest position, read on the host each step."""
     path = cached_tiny_checkpoint("llama", seed=0, cache_dir=model_cache,

@@ -38,6 +38,13 @@ logger = logging.getLogger(__name__)
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512)
 
 
+# The architectures whose decoder layer is the one `_forward` computes (pre-norm attention and MLP, rotary on every
+# layer, Qwen3's q/k norms), each checked against HF's forward. A layout check alone let others through that have the
+# same module names and more math (Granite's multipliers, GLM-4's post-norms, OLMo's clip_qkv, SmolLM3's layers
+# without rope): sampled from another model, with no error, and decode=auto chose paged for them on every GPU.
+PAGED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
 def unsupported(model: Any) -> str | None:
     """Why PagedDecoder cannot run `model` (None if it can). Reads only the config and the module layout, so a
     model on the meta device answers as well as a loaded one."""
@@ -59,6 +66,9 @@ def unsupported(model: Any) -> str | None:
         return (f"the paged decode path needs rotary frequencies that do not depend on the sequence length; "
                 f"{type(model).__name__} uses rope_type={rope_type!r}, which reads the longest position on the host "
                 f"in every step (not capturable in a CUDA graph)")
+    if getattr(config, "model_type", None) not in PAGED_MODEL_TYPES:
+        return (f"the paged decode path computes the decoder layers of {list(PAGED_MODEL_TYPES)}; "
+                f"{type(model).__name__} (model_type {getattr(config, 'model_type', None)!r}) is not one of them")
     return None
 
 
