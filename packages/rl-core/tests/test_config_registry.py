@@ -355,3 +355,11 @@ def test_scheduler_values_that_would_train_backwards_or_divide_by_zero_are_refus
     reward."""
     with pytest.raises(ConfigError, match=message):
         parse_config(PolicyConfig, {"model_name": "m", "scheduler": scheduler}, "policy")
+
+
+def test_a_temperature_whose_logits_overflow_is_refused():
+    """policy.temperature=1e-39 passed (> 0); logits / T overflowed float32 in the sampler and the engines."""
+    with pytest.raises(ConfigError, match=r"policy.temperature must be >= 1e-05 \(below it logits / temperature "
+                                          r"overflow float32\); got 1e-39"):
+        PolicyConfig(model_name="m", temperature=1e-39)
+    assert PolicyConfig(model_name="m", temperature=1e-5).temperature == 1e-5

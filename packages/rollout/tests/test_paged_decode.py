@@ -189,6 +189,25 @@ def test_paged_refuses_mixture_of_experts_and_auto_decodes_them_dense(model_cach
         TorchGenerationBackend(str(path), decode="fast")
 
 
+def test_a_call_that_fails_midway_leaves_the_backend_usable(tiny_ckpt, monkeypatch):
+    """A decode step that raised (an OOM) left its rows' KV blocks allocated: every later call, valid ones too,
+    failed with 'the paged KV cache cannot hold one request'. The next call equals a fresh backend's."""
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=1)
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17]]
+    backend = TorchGenerationBackend(str(tiny_ckpt), decode="paged")
+    expected = TorchGenerationBackend(str(tiny_ckpt), decode="paged").generate(prompts, params)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory (injected)")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(backend.decoder, "decode", fail)
+        with pytest.raises(RuntimeError, match="injected"):
+            backend.generate(prompts, params)
+    assert backend.decoder.cache.allocator.num_free == backend.decoder.cache.num_blocks - 1
+    assert_same_completions(backend.generate(prompts, params), expected, atol=0)
+
+
 @pytest.mark.parametrize("model_type", ["granite", "glm4", "olmo"])
 def test_paged_refuses_architectures_it_does_not_compute(tmp_path, model_type):
     """Llama's module names with more math in the layer (Granite's multipliers, GLM-4's post-norms, OLMo's clip_qkv):

@@ -281,6 +281,10 @@ def test_bad_sampling_params_and_prompts(tiny_ckpt):
         backend.generate([[1, 2], [1, 999]], SamplingParams())
     with pytest.raises(ValueError, match=r"prompt_token_ids\[0\] is empty"):
         backend.generate([[]], SamplingParams())
+    # 1e-39: logits / T overflowed float32: NaN logprobs on token 0, or an index error under top_p
+    with pytest.raises(ValueError, match=r"temperature=1e-39 is below 1e-05 .* use 0 for greedy decoding"):
+        backend.generate([[1, 2]], SamplingParams(temperature=1e-39, top_p=0.9))
+    assert backend.generate([[1, 2]], SamplingParams(temperature=1e-5, max_new_tokens=2))[0].logprobs[0] <= 0
 
 
 @pytest.mark.parametrize("decode", DECODE_PATHS)

@@ -272,8 +272,9 @@ class PolicyConfig:
         for key in ("train_global_batch_size", "train_micro_batch_size", "logprob_batch_size", "logprob_chunk_tokens"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"policy.{key} must be >= 1; got {getattr(self, key)}")
-        if self.temperature <= 0:
-            raise ConfigError(f"policy.temperature must be > 0; got {self.temperature}")
+        if not self.temperature >= MIN_TEMPERATURE:
+            raise ConfigError(f"policy.temperature must be >= {MIN_TEMPERATURE} (below it logits / temperature "
+                              f"overflow float32); got {self.temperature}")
         if self.top_k < 0:
             raise ConfigError(f"policy.top_k must be >= 0 (0 = off); got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
@@ -367,6 +368,9 @@ class PolicyConfig:
             return f"policy.{BUILTIN_ENGINE_SECTIONS[self.engine_name]}"
         return "policy.engine_cfg"
 
+
+# The smallest sampling temperature (vLLM's greedy threshold): below it logits / temperature overflow float32
+MIN_TEMPERATURE = 1e-5
 
 # The built-in engines' own sections (the seeds' spelling); any other engine reads `policy.engine_cfg`.
 BUILTIN_ENGINE_SECTIONS = {"dtensor": "dtensor_cfg", "megatron": "megatron_cfg"}

@@ -76,6 +76,10 @@ class PagedKVCache:
     def num_blocks(self) -> int:
         return self.allocator.num_blocks
 
+    def free_all(self) -> None:
+        """Every block back on the free list (what a generate call that failed midway left allocated)."""
+        self.allocator = BlockAllocator(self.allocator.num_blocks)
+
     def blocks_for(self, num_positions: int) -> int:
         """Blocks needed to hold `num_positions` positions."""
         return -(-num_positions // self.block_size)

@@ -22,6 +22,7 @@ import math
 import torch
 from torch import Tensor
 
+from rl_core.config import MIN_TEMPERATURE
 from rl_core.interfaces import SamplingParams
 from rl_core.logprobs import truncation_cut
 
@@ -36,6 +37,9 @@ def validate_params(params: SamplingParams) -> None:
         raise ValueError(f"SamplingParams.max_new_tokens={params.max_new_tokens}; expected >= 1")
     if not (params.temperature >= 0 and math.isfinite(params.temperature)):
         raise ValueError(f"SamplingParams.temperature={params.temperature}; expected a finite value >= 0 (0 = greedy)")
+    if 0 < params.temperature < MIN_TEMPERATURE:  # logits / T overflow float32: NaN logprobs, or an index error
+        raise ValueError(f"SamplingParams.temperature={params.temperature} is below {MIN_TEMPERATURE} (vLLM's greedy "
+                         "threshold), where logits / temperature overflow float32; use 0 for greedy decoding")
     if not 0 < params.top_p <= 1:
         raise ValueError(f"SamplingParams.top_p={params.top_p}; expected 0 < top_p <= 1 (1 disables it)")
     if params.top_k < 0:

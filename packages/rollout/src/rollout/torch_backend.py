@@ -244,7 +244,11 @@ class TorchGenerationBackend:
         stop_ids = set(self.eos_token_ids) | {int(t) for t in params.stop_token_ids}
         batcher = ContinuousBatcher(decoder, prompts, params, stop_ids, max_num_seqs=self.max_num_seqs, seed=seed,
                                     max_prefill_tokens=self.max_prefill_tokens)
-        completions = batcher.run()
+        try:
+            completions = batcher.run()
+        except BaseException:  # an OOM, a bad temperature, Ctrl-C: the next call starts from an empty cache
+            decoder.cache.free_all()
+            raise
         self.last_events, self.last_batch_sizes = batcher.events, batcher.batch_sizes
         self.last_prefill_sizes = batcher.prefill_sizes
         return completions
