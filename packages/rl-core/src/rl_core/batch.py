@@ -80,6 +80,14 @@ class TokenBatch:
     def with_fields(self, **updates: list[Tensor] | None) -> TokenBatch:
         return replace(self, **updates)
 
+    def __reduce__(self) -> tuple:
+        """Pickled (to a Ray actor) as one flat tensor per field plus the lengths: pickling each sequence's tensors
+        cost ~0.1 ms apiece, ~47 ms a step for the CPU default's 512; unpickled, the sequences are views of the
+        flat tensors. A field whose tensors are not all 1-D host tensors of one dtype pickles as it is."""
+        lengths = self.lengths
+        flat = {f.name: _flat(getattr(self, f.name)) for f in fields(self)}
+        return _from_flat, (lengths, flat)
+
     def num_valid_tokens(self) -> int:
         return int(sum(int(m.sum()) for m in self.loss_mask))
 
@@ -94,6 +102,18 @@ class TokenBatch:
         zeros = [torch.zeros(length)]
         optional = {name: None if getattr(self, name) is None else zeros for name in PER_TOKEN_FIELDS[1:]}
         return TokenBatch(input_ids=[torch.zeros(length, dtype=torch.long)], loss_mask=zeros, **optional)
+
+
+def _flat(values: list[Tensor] | None) -> Tensor | list[Tensor] | None:
+    if values is None or len({(v.dtype, v.device.type, v.dim()) for v in values}) != 1 \
+            or values[0].device.type != "cpu" or values[0].dim() != 1:
+        return values
+    return torch.cat(values)
+
+
+def _from_flat(lengths: list[int], flat: dict[str, Tensor | list[Tensor] | None]) -> TokenBatch:
+    return TokenBatch(**{name: list(value.split(lengths)) if isinstance(value, Tensor) else value
+                         for name, value in flat.items()})
 
 
 @dataclass(kw_only=True)
