@@ -435,8 +435,9 @@ class Workers:
                    for w, (dp, _) in zip(self.policy, self.dp_layout)]
         per_rank = ray.get(futures)
         out: list[torch.Tensor | None] = [None] * len(batch)
-        for (dp, _), result in zip(self.dp_layout, per_rank):
-            for index, logprobs in zip(shards[dp], result):
+        lengths = batch.lengths
+        for (dp, _), flat in zip(self.dp_layout, per_rank):  # each DP shard's logprobs come back concatenated
+            for index, logprobs in zip(shards[dp], flat.split([lengths[i] for i in shards[dp]])):
                 out[index] = logprobs
         return out  # type: ignore[return-value]
 

@@ -111,12 +111,13 @@ class PolicyWorker(GeneratorHost):
     def layout(self) -> tuple[int, int]:
         return self.engine.dp_rank, self.engine.dp_size
 
-    def compute_logprobs(self, batch: Any, reference: bool = False) -> list[torch.Tensor]:
+    def compute_logprobs(self, batch: Any, reference: bool = False) -> torch.Tensor:
+        """This rank's sequences' logprobs concatenated (one tensor to pickle back, not one per sequence)."""
         if not reference:
-            return self.engine.compute_logprobs(batch)
+            return torch.cat(self.engine.compute_logprobs(batch))
         if self.reference is None:
-            return self.engine.compute_ref_logprobs(batch)
-        return self.reference.compute_logprobs(batch)
+            return torch.cat(self.engine.compute_ref_logprobs(batch))
+        return torch.cat(self.reference.compute_logprobs(batch))
 
     def train(self, batch: Any, loss_fn: Any) -> dict[str, float]:
         metrics = self.engine.train_batch(batch, loss_fn)
