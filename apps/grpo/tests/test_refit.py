@@ -31,22 +31,32 @@ def _agreed_port() -> int:
     return port[0]
 
 
-def _refit(rank: int, world_size: int):
+def tensors_of_every_kind() -> list[tuple[str, torch.Tensor]]:
+    """Odd byte counts (so alignment matters), every dtype refit sends, an empty and a non-contiguous tensor."""
+    gen = torch.Generator().manual_seed(1)
+    return [*tensors(), ("bool", torch.tensor([True, False, True])), ("int8", torch.tensor([-3, 7], dtype=torch.int8)),
+            ("uint8", torch.arange(5, dtype=torch.uint8)), ("half", torch.randn(3, generator=gen).half()),
+            ("int32", torch.arange(3, dtype=torch.int32)), ("empty", torch.zeros(0, 4)),
+            ("transposed", torch.randn(3, 5, generator=gen).t())]
+
+
+def _refit(rank: int, world_size: int, bucket_bytes: int):
     group = RefitGroup("127.0.0.1", _agreed_port(), rank, world_size)
     if rank == 0:
-        return group.send(tensors())
-    return list(group.receive())
+        return group.send(tensors_of_every_kind(), bucket_bytes=bucket_bytes)
+    return [(name, tensor.clone()) for name, tensor in group.receive()]
 
 
 @pytest.mark.distributed
-def test_refit_broadcasts_every_tensor_bit_exactly():
-    results = run_distributed(_refit, world_size=3)
-    sent = tensors()
+@pytest.mark.parametrize("bucket_bytes", [1, 64, 2**20], ids=["one_tensor_a_bucket", "a_few_a_bucket", "one_bucket"])
+def test_refit_broadcasts_every_tensor_bit_exactly(bucket_bytes: int):
+    results = run_distributed(_refit, world_size=3, args=(bucket_bytes,))
+    sent = tensors_of_every_kind()
     assert results[0] == sum(t.numel() * t.element_size() for _, t in sent)
     for received in results[1:]:
         assert [n for n, _ in received] == [n for n, _ in sent]
         for (_, a), (_, b) in zip(received, sent):
-            assert a.dtype == b.dtype and torch.equal(a, b)
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
 def _refused_refit(rank: int, world_size: int):
