@@ -22,8 +22,9 @@ ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe")
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
 UNK_TOKEN = "<unk>"  # last in the vocabulary (after the characters); special tokens are dropped when decoding
 # Part of every cache directory's name: bump it when what a cached checkpoint holds changes, so no old one is
-# reused (2: the byte-level tokenizer, with its own unknown token).
-CACHE_FORMAT = 2
+# reused (2: the byte-level tokenizer, with its own unknown token; 3: a token for every id of the model).
+CACHE_FORMAT = 3
+VOCAB_SIZE = 128  # the tiny models' vocabulary; the tokenizer has a token for each of its ids
 # head_dim 32: the smallest head size vLLM's CPU attention supports.
 BASE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6)
@@ -34,12 +35,20 @@ SOFTCAPPED_GEMMA2 = dict(head_dim=32, initializer_range=0.5, attn_logit_softcapp
 
 
 def _vocab() -> list[str]:
-    """The special tokens, printable ASCII in its byte-level spelling (space is "Ġ", newline "Ċ"), the unknown."""
+    """The special tokens, printable ASCII in its byte-level spelling (space is "Ġ", newline "Ċ"), the unknown,
+    then "<extra_a>", "<extra_b>", ... up to VOCAB_SIZE.
+
+    The extras are plain tokens that decode as their names (no digits in them, which a math reward would read):
+    with no token behind ids 101..127 they decoded to nothing, and the default run's policy learnt to emit them
+    where the reward counted characters (an invisible token made "11<id 120>11" the four characters "1111")."""
     from tokenizers import pre_tokenizers
 
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     chars = [byte_level.pre_tokenize_str(c)[0][0] for c in string.printable if c not in "\x0b\x0c\r"]
-    return [*SPECIAL_TOKENS, *chars, UNK_TOKEN]
+    named = [*SPECIAL_TOKENS, *chars, UNK_TOKEN]
+    letters = string.ascii_lowercase
+    extras = [f"<extra_{letters[i // 26 - 1] if i >= 26 else ''}{letters[i % 26]}>" for i in range(VOCAB_SIZE - len(named))]
+    return [*named, *extras]
 
 
 def build_tokenizer() -> Any:
@@ -68,7 +77,7 @@ def build_tokenizer() -> Any:
     return tok
 
 
-def tiny_config(arch: str, vocab_size: int = 128, **overrides: Any) -> Any:
+def tiny_config(arch: str, vocab_size: int = VOCAB_SIZE, **overrides: Any) -> Any:
     """The HF config of a tiny model of architecture `arch` (one of ARCHITECTURES)."""
     import transformers
 

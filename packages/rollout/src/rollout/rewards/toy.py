@@ -3,12 +3,14 @@
 `repeat_char` (the trainer's default task): the prompt names one character at its end, e.g. "qk:7" names
 "7" (a few random lowercase letters come first, so prompts differ). The target is the last prompt token,
 so the first thing to learn is "repeat the previous character": a direct embedding -> logits path that a
-2-layer model picks up in a few dozen GRPO steps, then where to stop. Targets default to "0123"
-(`charset=` changes them; a policy stuck on one target scores 0.2 + 0.8 / len(charset)).
+2-layer model picks up in a few dozen GRPO steps; where to stop is harder (below). Targets default to "0123"
+(`charset=` changes them; a policy stuck on one target scores 0.8 / len(charset), plus the bonus if it stops).
 The ideal completion is the character `answer_len` times, then the stop token ("7777</s>").
     reward = (1 - stop_bonus) * (# of the first answer_len chars equal to the target) / answer_len
              + stop_bonus * [the completion is exactly answer_len chars long]
-Partial credit per matching character gives GRPO a signal from the very first steps.
+Partial credit per matching character gives GRPO a signal from the very first steps. A tiny random model
+learns the characters (0.8) but, in the runs measured, not the stop: the stop token starts at ~1/128 of the
+probability and is gone (< 1e-4) before the characters are learnt, as early stops cost characters.
 
 `copy_digits`: the prompt ends with a digit string, e.g. "cp 3141:"; reward = share of positions of the
 string reproduced in order, plus the same stop bonus for stopping right after it.
