@@ -92,9 +92,11 @@ def max_abs_diff(
 
 
 # Layout changes (TP, DP, packing, recompute) reorder fp32 sums. Logprobs of random tokens reach -20,
-# where one fp32 ulp is 1.9e-6, so "1e-6" is read as 1e-6 absolute plus 2 ulp relative.
+# where one fp32 ulp is 1.9e-6, so "1e-6" is read as 1e-6 absolute plus 8 ulp relative: on an AVX2 machine
+# (torch's CPU kernels differ from AVX-512's) TP=2 with sequence parallelism put a logprob of -7.46 6 ulp
+# (2.9e-6) from HF's and DP=2 a gradient entry 1.25e-6 from one rank's, where 2 ulp had passed on CI.
 LAYOUT_ATOL = 1e-6
-LAYOUT_RTOL = 2 * torch.finfo(torch.float32).eps
+LAYOUT_RTOL = 8 * torch.finfo(torch.float32).eps
 
 
 def assert_layout_close(
