@@ -9,8 +9,8 @@ gloo. Colocated generation workers on a GPU would need two NCCL ranks on one dev
 Between processes, tensors travel over a dedicated torch.distributed group (gloo on CPU, NCCL on GPU) between policy
 rank 0 (group rank 0) and every generation worker, never through Ray's object store. The group is a
 standalone process group over its own TCPStore, so it does not disturb the policy's training group.
-Each tensor is preceded by a small header (name, dtype, shape) so the receiver needs no side channel;
-a header with name length -1 ends the stream. A receiver whose loader refuses a tensor (`receive_into`)
+Tensors travel in buckets, each preceded by its size and its tensors' names, dtypes and shapes, so the receiver
+needs no side channel; a size of -1 ends the stream. A receiver whose loader refuses a tensor (`receive_into`)
 still reads the stream to its end, so the sender finishes instead of blocking until the group timeout.
 """
 
@@ -38,9 +38,9 @@ logger = logging.getLogger(__name__)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8,
           torch.bool, torch.int8]
-# Tensors go over in buckets of about this many bytes: three broadcasts a bucket (its size, its tensors' names /
-# dtypes / shapes, their bytes), not three a tensor (82 a step for the CPU default, ~870 for a 0.5B model); the
-# copy into a bucket is the only extra memory, on each side.
+# Tensors go over in buckets of at most this many bytes: three broadcasts a bucket (its size, its tensors' names /
+# dtypes / shapes, their bytes), not three a tensor (82 a step for the CPU default, ~870 for a 0.5B model); one
+# bucket buffer is the only extra memory on each side.
 BUCKET_BYTES = 256 * 2**20
 ALIGN = 16  # every tensor starts at a multiple of this in its bucket, so its bytes view as any dtype
 
@@ -137,34 +137,46 @@ class RefitGroup:
         return tensor
 
     def send(self, named_tensors: Iterable[tuple[str, Tensor]], bucket_bytes: int = BUCKET_BYTES) -> int:
-        """Broadcast every (name, tensor), in buckets of about `bucket_bytes`; returns the number of bytes sent."""
-        total, bucket, size = 0, [], 0
+        """Broadcast every (name, tensor), in buckets of at most `bucket_bytes`; returns the number of bytes sent.
+
+        Each tensor is copied into one reused bucket buffer as it arrives and then let go, so the sender holds the
+        buffer plus one tensor (a DTensor's freshly gathered full tensor): holding a bucket's tensors until it was
+        sent doubled that (a 7B model's bucket with lm_head: 1.3 GiB of sources beside a 1.3 GiB copy). A tensor
+        larger than a bucket goes alone, as its own bytes, with no copy."""
+        total, entries, offset, buffer = 0, [], 0, None
         for name, tensor in named_tensors:
             if tensor.dtype not in DTYPES:
                 raise ValueError(f"refit cannot send {name!r} of dtype {tensor.dtype}; it sends {DTYPES}")
-            tensor = tensor.detach()
-            bucket.append((name, tensor))
-            size += _aligned(tensor.numel() * tensor.element_size())
-            total += tensor.numel() * tensor.element_size()
-            if size >= bucket_bytes:
-                self._send_bucket(bucket, size)
-                bucket, size = [], 0
-        if bucket:
-            self._send_bucket(bucket, size)
+            nbytes = tensor.numel() * tensor.element_size()
+            total += nbytes
+            entry = [name, DTYPES.index(tensor.dtype), list(tensor.shape)]
+            data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+            del tensor  # only `data` (its bytes) is held from here; let go of it before the next tensor is made
+            alone = nbytes >= bucket_bytes
+            if entries and (alone or offset + nbytes > bucket_bytes):  # send what the bucket holds first
+                self._send_bucket(entries, buffer[:offset])
+                entries, offset = [], 0
+            if alone:
+                self._send_bucket([entry], data)
+            else:
+                if buffer is None:  # ALIGN's padding after the last entry fits too
+                    buffer = torch.empty(_aligned(bucket_bytes), dtype=torch.uint8, device=self.device)
+                buffer[offset : offset + nbytes] = data
+                entries.append(entry)
+                offset = _aligned(offset + nbytes)
+            del data
+        if entries:
+            self._send_bucket(entries, buffer[:offset])
         self._broadcast(torch.tensor([-1, 0], dtype=torch.int64, device=self.device))  # the end marker
         return total
 
-    def _send_bucket(self, bucket: list[tuple[str, Tensor]], size: int) -> None:
-        meta = json.dumps([[name, DTYPES.index(t.dtype), list(t.shape)] for name, t in bucket]).encode()
-        payload = torch.empty(size, dtype=torch.uint8, device=self.device)
-        offset = 0
-        for _, tensor in bucket:
-            nbytes = tensor.numel() * tensor.element_size()
-            payload[offset : offset + nbytes] = tensor.contiguous().reshape(-1).view(torch.uint8)
-            offset += _aligned(nbytes)
-        self._broadcast(torch.tensor([len(meta), size], dtype=torch.int64, device=self.device))
+    def _send_bucket(self, entries: list[list], payload: Tensor) -> None:
+        """Three broadcasts: the sizes, the entries' (name, dtype, shape) as JSON, the bytes (each entry at a
+        multiple of ALIGN)."""
+        meta = json.dumps(entries).encode()
+        self._broadcast(torch.tensor([len(meta), payload.numel()], dtype=torch.int64, device=self.device))
         self._broadcast(torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(self.device))
-        self._broadcast(payload)
+        self._broadcast(payload if payload.device == self.device else payload.to(self.device))
 
     def receive(self) -> Iterator[tuple[str, Tensor]]:
         """Yield (name, tensor) pairs as they arrive, until the sender's end marker; the tensors of one bucket are
@@ -193,3 +205,5 @@ class RefitGroup:
         finally:
             for _ in stream:  # a no-op once the stream ended (or itself failed)
                 pass
+            if self.device.type == "cuda":  # the buckets' buffers go back to the driver: vLLM's memory budget,
+                torch.cuda.empty_cache()  # sized at its start, does not count torch's cache

@@ -59,6 +59,57 @@ def test_refit_broadcasts_every_tensor_bit_exactly(bucket_bytes: int):
             assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
+def _sender_holding(rank: int, world_size: int, bucket_bytes: int):
+    """Rank 0 sends small tensors and one larger than a bucket, made one at a time, and records how many earlier
+    tensors' storages are still alive as each next tensor is made (storage weak references: a detached view keeps
+    its storage) and the largest tensor it allocates (a dispatch mode over `send`)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    group = RefitGroup("127.0.0.1", _agreed_port(), rank, world_size)
+    sizes = [40, 24, 24, 3 * bucket_bytes, 8, 16]  # bytes (float32)
+    if rank != 0:
+        return [(name, tensor.clone()) for name, tensor in group.receive()]
+
+    class LargestAllocation(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default):
+                LargestAllocation.largest = max(LargestAllocation.largest, out.numel() * out.element_size())
+            return out
+
+    made, held = [], []
+
+    def export():
+        for i, nbytes in enumerate(sizes):
+            held.append(sum(not torch.UntypedStorage._expired(ref) for ref in made))  # what the sender still holds
+            tensor = torch.full((nbytes // 4,), float(i))
+            made.append(tensor.untyped_storage()._weak_ref())
+            yield f"t{i}", tensor
+            del tensor
+
+    with LargestAllocation():
+        group.send(export(), bucket_bytes=bucket_bytes)
+    for ref in made:
+        torch.UntypedStorage._free_weak_ref(ref)
+    return held, LargestAllocation.largest
+
+
+@pytest.mark.distributed
+def test_refit_sender_holds_one_bucket_buffer_and_no_tensor_it_has_copied():
+    """Each tensor is copied into the bucket as it arrives and let go (the sender kept a bucket's tensors until
+    it was sent, beside their copy: twice a bucket on a GPU), and a tensor larger than a bucket goes as it is,
+    with no copy (a bucket could reach 256 MiB + the largest tensor)."""
+    bucket_bytes = 64
+    (held, largest), received = run_distributed(_sender_holding, world_size=2, args=(bucket_bytes,))
+    assert held == [0] * 6
+    assert largest <= bucket_bytes  # the one buffer; the 192-byte tensor was not copied
+    assert [name for name, _ in received] == [f"t{i}" for i in range(6)]
+    assert all(torch.equal(t, torch.full_like(t, float(i))) for i, (_, t) in enumerate(received))
+    assert [t.numel() * 4 for _, t in received] == [40, 24, 24, 3 * bucket_bytes, 8, 16]
+
+
 def _refused_refit(rank: int, world_size: int):
     """Rank 0 sends a tensor of the wrong shape, then a good refit; rank 1's loader refuses the bad one."""
     group = RefitGroup("127.0.0.1", _agreed_port(), rank, world_size, timeout_s=20.0)  # old code: blocked until here
