@@ -18,6 +18,14 @@
 #   generation      packages/rollout/bench/bench_generation.py --device cuda (0.5B, 1.5B) [0.5B < 3 min;
 #                   1.5B: its checkpoint build and HF's row took most of 140 s, ours not measured yet]
 #   grpo            bench/grpo_vs_trl.py --device cuda, both engines and TRL, one round [not run yet]
+# A GPU session now has 15 min of device time in all (10 min per command, the machine's start included), so the
+# full suite does not fit one session. Two commands do, in this order (the issues' targets first); every part
+# stays under its limit, and what is cut short still leaves its log:
+#   1. TRL_PYTHON=python3 bash bench/gpu_suite.sh $OUT first     (<= 9 min: engines-0.5b-quick, grpo-quick)
+#   2. bash bench/gpu_suite.sh $OUT second                      (<= 3.5 min: engines-8x2048-packed)
+#   engines-0.5b-quick    issue 13 on the 0.5B shape: both engines x packed/unpacked, 2 warm repeats, unprofiled
+#   grpo-quick            issue 15: grpo_vs_trl.py --device cuda, both engines and TRL, 4 steps (median of 3)
+#   engines-8x2048-packed issue 13's second model: both engines, packed
 # PYTHON (default python3) runs everything: `uv run` users set PYTHON="uv run python". A part that runs Ray
 # leaves the Ray session's logs in LOG_DIR/ray-<part>.tgz (a placement group Ray cannot place is logged
 # there by its autoscaler, not by the trainer).
@@ -27,6 +35,10 @@ out=${1:?usage: bash bench/gpu_suite.sh LOG_DIR [PART ...]}; shift
 mkdir -p "$out"
 parts=("$@"); [ ${#parts[@]} -eq 0 ] && parts=(tests-engines tests-app logprobs engines-0.5b engines-8x2048 engines-compile
                                               engines-lora generation grpo)
+case "${parts[*]}" in  # the two commands of a 15-minute session (above)
+  first) parts=(engines-0.5b-quick grpo-quick) ;;
+  second) parts=(engines-8x2048-packed) ;;
+esac
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 # a hung test fails with every thread's stack where pytest-timeout is installed; the GPU kit does not pack it, and
@@ -57,10 +69,16 @@ for part in "${parts[@]}"; do
             --layouts packed --profile 15 ;;
     engines-lora) run engines-lora 400 $py bench/gpu_engines.py --models 0.5b,8x2048 --engines dtensor-lora,megatron-lora \
             --layouts packed ;;
+    engines-0.5b-quick) run engines-0.5b-quick 240 $py bench/gpu_engines.py --models 0.5b --repeats 2 ;;
+    engines-8x2048-packed) run engines-8x2048-packed 180 $py bench/gpu_engines.py --models 8x2048 --layouts packed \
+            --repeats 2 ;;
+    grpo-quick) run grpo-quick 290 $py bench/grpo_vs_trl.py --device cuda --engines dtensor,megatron --rounds 1 \
+            --steps 4 --warmup 1 ${TRL_PYTHON:+--trl-python "$TRL_PYTHON"} ;;
     generation) run generation 560 $py packages/rollout/bench/bench_generation.py --device cuda ;;
     grpo) run grpo 560 $py bench/grpo_vs_trl.py --device cuda --engines dtensor,megatron --rounds 1 \
             ${TRL_PYTHON:+--trl-python "$TRL_PYTHON"} ;;
-    *) echo "unknown part '$part': choose from tests-engines tests-app logprobs engines-0.5b engines-8x2048 engines-compile engines-lora generation grpo" >&2
+    *) echo "unknown part '$part': choose from tests-engines tests-app logprobs engines-0.5b engines-8x2048 engines-compile" \
+            "engines-lora generation grpo engines-0.5b-quick engines-8x2048-packed grpo-quick, or the plan first / second" >&2
        exit 2 ;;
   esac
 done

@@ -296,6 +296,12 @@ def print_phases(engine: str, records: list[dict]) -> None:
               for k, v in sorted(med.items(), key=lambda kv: -kv[1]) if k != "timing/step_s"]
     print(f"\nOur per-phase breakdown, {engine} (median s per step over all rounds, metrics.jsonl):\n")
     print(markdown_table(["phase", "s", "share of step"], phases))
+    # the trainer / sampler mismatch of these same steps (issue 15's bar on a GPU: <= 1.1 in bf16, NeMo-RL's)
+    mismatch = [r["train/token_mult_prob_error"] for r in records if r.get("train/token_mult_prob_error") is not None]
+    gen_kl = [r["train/gen_kl"] for r in records if r.get("train/gen_kl") is not None]
+    if mismatch:
+        print(f"\n{engine}: token_mult_prob_error median {statistics.median(mismatch):.4f} (max {max(mismatch):.4f}), "
+              f"gen KL median {statistics.median(gen_kl):.2e}, over {len(mismatch)} steps")
 
 
 if __name__ == "__main__":
