@@ -1,10 +1,10 @@
 """The trainer's config: one `GRPOConfig` tree, loaded from YAML with `defaults:` inheritance and
 dotted command-line overrides, validated before any worker starts.
 
-Owns: the YAML loader, override parsing, and the trainer-level sections (grpo, generation, env,
-cluster, logger, checkpointing). Reuses the packages' own schemas for `policy` (rl_core.config) and
-`loss` (rl_core.losses); engine-specific sections are validated by the engine's `validate_config`, early
-in `grpo_app.preflight` and again when the engine is built.
+Owns: loading (`defaults:` inheritance, overrides; the YAML dialect itself is grpo_app.config_yaml) and the
+trainer-level sections (grpo, generation, env, cluster, logger, checkpointing). Reuses the packages' own schemas
+for `policy` (rl_core.config) and `loss` (rl_core.losses); engine-specific sections are validated by the engine's
+`validate_config`, early in `grpo_app.preflight` and again when the engine is built.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import yaml
 
+from grpo_app.config_yaml import ConfigLoader, resolve_bool_words, yaml_error
 from grpo_app.devices import Hardware, detect_hardware, resolve_auto
 from rl_core.config import (
     ConfigError,
@@ -298,43 +299,6 @@ def _merge(base: dict, override: dict) -> dict:
     return out
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that rejects a key given twice in one mapping (PyYAML keeps the last one silently)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            line = key_node.start_mark.line + 1
-            if key in seen:
-                raise ConfigError(f"{key_node.start_mark.name}:{line}: duplicate key {key!r} (first given on line "
-                                  f"{seen[key]}); keep one of them")
-            seen[key] = line
-        return super().construct_mapping(node, deep=deep)
-
-
-# YAML 1.2 floats: PyYAML (YAML 1.1) reads `lr: 3e-4` (no dot) as the string '3e-4'; here it is a number,
-# in a file and on the command line alike.
-_UniqueKeyLoader.add_implicit_resolver("tag:yaml.org,2002:float",
-                                       re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
-                                       list("-+0123456789."))
-
-
-def _yaml_error(exc: yaml.YAMLError, source: str | None) -> str:
-    """A YAML syntax error in one line: `file:line:column: not valid YAML: what` (a command-line value, `source`
-    None: `not valid YAML at column N: what`), and the usual fix where there is one."""
-    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
-    problem = getattr(exc, "problem", None) or str(exc)
-    context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
-    if context and context_mark is not None and context_mark is not mark:
-        problem += f" ({context}" + (f" on line {context_mark.line + 1})" if source else ")")
-    if "'\\t'" in problem:
-        problem += "; indent with spaces, not tabs"
-    if source is None:
-        return f"not valid YAML{f' at column {mark.column + 1}' if mark else ''}: {problem}"
-    return f"{source}{f':{mark.line + 1}:{mark.column + 1}' if mark else ''}: not valid YAML: {problem}"
-
-
 def shipped_or_path(path: str | Path) -> Path:
     """`--config`: a file, or the name of a shipped config (`gpu_1x` or `gpu_1x.yaml`) where no such file is."""
     path = Path(path)
@@ -367,7 +331,7 @@ def load_yaml(path: str | Path, _seen: tuple[Path, ...] = (), key_lines: dict[st
     if path in _seen:
         raise ConfigError(f"config 'defaults:' cycle: {' -> '.join(str(p) for p in (*_seen, path))}")
     try:
-        loader = _UniqueKeyLoader(path.read_text())
+        loader = ConfigLoader(path.read_text())
         loader.name = str(path)  # marks (line numbers in errors) name the file
         try:
             node = loader.get_single_node()
@@ -375,7 +339,7 @@ def load_yaml(path: str | Path, _seen: tuple[Path, ...] = (), key_lines: dict[st
         finally:
             loader.dispose()
     except yaml.YAMLError as exc:
-        raise ConfigError(_yaml_error(exc, str(path))) from None
+        raise ConfigError(yaml_error(exc, str(path))) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -458,22 +422,17 @@ def apply_override(data: dict, assignment: str) -> None:
 
 
 def parse_value(raw: str, key: str = "value") -> Any:
-    """A command-line value as YAML (`3e-4` a number, as in the config files; unquoted `inf` and `nan` too)."""
+    """A command-line value as YAML, read as in the config files (grpo_app.config_yaml: `3e-4` a number, `010` the
+    string '010'); a quoted value is a string."""
     if not raw.strip():
         return None
     try:
-        value = yaml.load(raw, Loader=_UniqueKeyLoader)  # a SafeLoader, as for the files
+        return yaml.load(raw, Loader=ConfigLoader)  # a SafeLoader, as for the files
     except ConfigError as exc:  # a duplicate key in an inline mapping
         raise ConfigError(f"override {key}={raw}: {exc}") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"override {key}={raw} is {_yaml_error(exc, None)}; close its brackets and quotes, or "
+        raise ConfigError(f"override {key}={raw} is {yaml_error(exc, None)}; close its brackets and quotes, or "
                           f"quote the whole value as a YAML string ({key}='\"...\"')") from None
-    if isinstance(value, str) and raw.strip()[0] not in "\"'":  # a quoted value stays a string, as in a file
-        try:
-            return float(value) if any(c in value for c in ".eE") else int(value)
-        except ValueError:
-            return value
-    return value
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = (),
@@ -489,6 +448,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (),
         apply_override(data, assignment)
         dotted = assignment.split("=", 1)[0].strip()  # now set on the command line, not in a file
         key_lines = {k: v for k, v in key_lines.items() if k != dotted and not k.startswith(dotted + ".")}
+    data = resolve_bool_words(data, GRPOConfig)  # before anything reads a switch (resolve_auto reads some raw)
     _reset_env_kwargs(data, file_env, overrides)
     names = [f for f in GRPOConfig.__dataclass_fields__]
     try:

@@ -40,6 +40,7 @@ from rl_core.config import (
     closest_key,
     to_dict,
     unknown_key_error,
+    yaml_hint,
 )
 from rl_core.interfaces import ChecksModel, ValidatesConfig
 from rl_core.registry import ENGINES, GENERATION_BACKENDS
@@ -114,8 +115,8 @@ def _check_plain_type(key: str, value: Any, annotation: Any) -> None:
         return  # anything richer (dicts, classes, nested lists) is the callee's to check
     if not any(_is(value, t) for t in allowed):
         names = " or ".join("null" if t is type(None) else _type_name(t) for t in allowed)
-        hint = " (a list is written [1, 2])" if any(map(_plain_sequence, allowed)) else ""
-        hint = " (quote strings that YAML would read as numbers)" if str in allowed else hint
+        hint = " (a list is written [1, 2])" if any(map(_plain_sequence, allowed)) else yaml_hint(value)
+        hint = " (quote strings that YAML would read as numbers or booleans)" if str in allowed else hint
         raise ConfigError(f"{key} must be {names}; got {type(value).__name__} {value!r}{hint}")
 
 

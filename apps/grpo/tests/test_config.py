@@ -333,3 +333,59 @@ def test_a_file_without_defaults_says_how_to_start_from_the_default_run(tmp_path
                               "to it to start from the embedded default run)")
     own.write_text("defaults: cpu_default\ngrpo:\n  max_steps: 2\n")
     assert load_config(own).grpo.max_steps == 2
+
+
+# ---- YAML 1.1 readings that changed a value's meaning (grpo_app.config_yaml) ---------------------------------
+
+
+def test_numbers_are_read_as_yaml_1_2_and_python_read_them(tmp_path):
+    """PyYAML (YAML 1.1) read `charset=0123` as the octal 83, `seed=010` as 8 (and `seed=08` as 8 through a fallback),
+    `1:30` as 90 and `2024-01-01` as a date. Now digits with a leading zero, base-60 and dates keep their text, and a
+    number key given a leading zero is an error naming both readings; `1_000`, `0x1f`, `0o17` are the integers they
+    are in Python, and `1e-5` a float."""
+    cfg = load_config(None, ["env.prompt_kwargs.charset=0123", "env.kwargs.zeros=007", "env.kwargs.clock=1:30",
+                             "env.kwargs.day=2024-01-01", "env.kwargs.big=1_000", "env.kwargs.hex=0x1f",
+                             "env.kwargs.octal=0o17", "env.kwargs.lr=1e-5", "env.kwargs.half=.5", "grpo.seed=1_000"])
+    assert cfg.env.prompt_kwargs["charset"] == "0123" and cfg.grpo.seed == 1000
+    kwargs = {k: v for k, v in cfg.env.kwargs.items() if k in ("zeros", "clock", "day", "big", "hex", "octal", "lr", "half")}
+    assert kwargs == {"zeros": "007", "clock": "1:30", "day": "2024-01-01", "big": 1000, "hex": 31, "octal": 15,
+                      "lr": 1e-05, "half": 0.5}
+    assert [type(kwargs[k]) for k in ("big", "lr", "half")] == [int, float, float]
+    with pytest.raises(ConfigError, match=r"^'grpo.seed' must be an integer; got str '010' \(a leading zero is "
+                                          r"ambiguous: YAML 1.1 reads 010 as the octal 8, YAML 1.2 as 10; write 10, or "
+                                          r"0o10 for the octal 8\)$"):
+        load_config(None, ["grpo.seed=010"])
+    with pytest.raises(ConfigError, match=r"^'grpo.seed' must be an integer; got str '08' \(write 8, without the "
+                                          r"leading zero\)$"):
+        load_config(None, ["grpo.seed=08"])
+    with pytest.raises(ConfigError, match=r"'grpo.num_val_prompts' must be an integer; got str '1:04' \(YAML 1.1 "
+                                          r"reads 1:04 as a base-60 number"):
+        load_config(None, ["grpo.num_val_prompts=1:04"])
+    path = write(tmp_path / "c.yaml", "defaults: cpu_default\nenv:\n  prompt_kwargs: {charset: 0123}\n"
+                                      "grpo:\n  seed: 010\n")
+    with pytest.raises(ConfigError, match=rf"^{path}:5: 'grpo.seed' must be an integer; got str '010' \(a leading zero"):
+        load_config(path)
+    path.write_text("defaults: cpu_default\nenv:\n  prompt_kwargs: {charset: 0123}\ngrpo:\n  seed: 10\n")
+    assert load_config(path).env.prompt_kwargs["charset"] == "0123"
+
+
+def test_yes_no_on_off_are_text_for_a_string_key_and_booleans_elsewhere(tmp_path):
+    """`env.system_prompt=yes` was the boolean True, refused as no string, and `logger.wandb.tags=[on]` the same; a
+    mapping key `on` was True. A string key now keeps the word; a bool key, and the free-form mappings (env.kwargs,
+    the engine sections, where the string 'off' would be true), read it as YAML 1.1 does, also in resolve_auto, which
+    reads generation.colocated before validation."""
+    cfg = load_config(None, ["env.use_chat_template=true", "env.system_prompt=yes", "logger.wandb.tags=[on, No]",
+                             "logger.wandb.name=OFF", "checkpointing.enabled=off", "checkpointing.save_hf=never",
+                             "grpo.normalize_std=no", "env.kwargs.flag=off", "env.kwargs.word='off'",
+                             "env.kwargs.nested={on: [yes, 'no']}", "policy.dtensor_cfg.enabled=on"])
+    assert (cfg.env.system_prompt, cfg.logger.wandb.tags, cfg.logger.wandb.name) == ("yes", ["on", "No"], "OFF")
+    assert (cfg.checkpointing.enabled, cfg.grpo.normalize_std, cfg.policy.dtensor_cfg["enabled"]) == (False, False, True)
+    assert cfg.env.kwargs["flag"] is False and cfg.env.kwargs["word"] == "off"
+    assert cfg.env.kwargs["nested"] == {"on": [True, "no"]}
+    path = write(tmp_path / "c.yaml", "defaults: cpu_default\nenv: {use_chat_template: true, system_prompt: no}\n"
+                                      "logger: {wandb: {tags: [yes]}}\n")
+    file_cfg = load_config(path)
+    assert file_cfg.env.system_prompt == "no" and file_cfg.logger.wandb.tags == ["yes"]
+    gpu = Hardware(cuda_available=True, bf16_supported=True, num_gpus=2)
+    assert load_config(None, ["generation.colocated=off"], hardware=gpu).generation.in_policy_workers is False
+    assert load_config(None, ["generation.colocated=on"], hardware=gpu).generation.in_policy_workers is True

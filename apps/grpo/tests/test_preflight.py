@@ -128,7 +128,8 @@ def test_data_file_of_another_format_names_the_key_and_the_formats(caplog, tmp_p
     ("env.kwargs.answer_len=abc", "env.kwargs.answer_len must be int; got str 'abc'"),
     ("env.prompt_kwargs.charsett=ab", "unknown config key 'env.prompt_kwargs.charsett'; did you mean "
                                       "'env.prompt_kwargs.charset'?"),
-    ("env.prompt_kwargs.charset=0123", "env.prompt_kwargs.charset must be str; got int 83 (quote strings"),
+    ("env.prompt_kwargs.charset=1234", "env.prompt_kwargs.charset must be str; got int 1234 (quote strings"),
+    ("env.kwargs.answer_len=03", "env.kwargs.answer_len must be int; got str '03' (write 3, without the leading zero)"),
     ("env.prompt_kwargs.charset=''", "env.prompt_kwargs: repeat_char charset is empty"),
     ("cluster.address=127.0.0.1:1", "cluster.address='127.0.0.1:1': nothing answers at 127.0.0.1:1"),
     ("cluster.address=nohost", "cluster.address='nohost' is not host:port"),

@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 import logging
 import math
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -96,15 +97,15 @@ def _convert(value: Any, annotation: Any, path: str) -> Any:
         return tuple(converted) if (origin or annotation) is tuple else converted
     if annotation is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"'{path}' must be a number; got {type(value).__name__} {value!r}{_yaml_hint(value)}")
+            raise ConfigError(f"'{path}' must be a number; got {type(value).__name__} {value!r}{yaml_hint(value)}")
         return float(value)
     if annotation is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"'{path}' must be an integer; got {type(value).__name__} {value!r}")
+            raise ConfigError(f"'{path}' must be an integer; got {type(value).__name__} {value!r}{yaml_hint(value)}")
         return value
     if annotation in (bool, str):
         if not isinstance(value, annotation):
-            hint = _yaml_hint(value) if annotation is str else ""
+            hint = yaml_hint(value) if annotation is str else ""
             raise ConfigError(
                 f"'{path}' must be a {annotation.__name__}; got {type(value).__name__} {value!r}{hint}"
             )
@@ -112,11 +113,26 @@ def _convert(value: Any, annotation: Any, path: str) -> Any:
     return value
 
 
-def _yaml_hint(value: Any) -> str:
+def yaml_hint(value: Any) -> str:
     """The YAML reading behind a wrong type, where it is a common one."""
     if isinstance(value, Mapping | list):
         return " (YAML reads an unquoted 'a: b' as a mapping and '[a]' as a list: quote the value)"
-    if isinstance(value, str) and "." not in value and "e" in value.lower():  # YAML 1.1's float needs a dot
+    if not isinstance(value, str):
+        return ""
+    leading_zero = re.fullmatch(r"([-+]?)(0[0-9_]*[0-9])", value)  # the trainer's YAML keeps 010 a string
+    if leading_zero:
+        sign, digits = leading_zero[1].replace("+", ""), leading_zero[2].replace("_", "")
+        octal_digits = set(digits) <= set("01234567") and int(digits, 8) != int(digits)
+        decimal, octal = f"{sign}{int(digits)}", f"{sign}{int(digits, 8)}" if octal_digits else None
+        if octal:
+            return (f" (a leading zero is ambiguous: YAML 1.1 reads {value} as the octal {octal}, YAML 1.2 as "
+                    f"{decimal}; write {decimal}, or {sign}{int(digits, 8):#o} for the octal {octal})")
+        return f" (write {decimal}, without the leading zero)"
+    if re.fullmatch(r"[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?", value):
+        return f" (YAML 1.1 reads {value} as a base-60 number; write the number itself)"
+    if value.lower().lstrip("+-") in ("inf", "infinity", "nan"):
+        return f" (YAML writes it {value[0] if value[0] in '+-' else ''}.{value.lower().lstrip('+-')[:3]})"
+    if "." not in value and "e" in value.lower():  # YAML 1.1's float needs a dot
         try:
             number = float(value)
         except ValueError:
