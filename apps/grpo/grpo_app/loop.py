@@ -355,15 +355,16 @@ def rollout_metrics(rewards, results, completions, lengths, timer: PhaseTimer) -
 
 
 def validate(run: Run, step: int) -> dict[str, float]:
-    """Greedy completions of the held-out prompts (deterministic, so the curve is not sampling noise)."""
-    timer = PhaseTimer()
+    """Greedy completions of the held-out prompts (deterministic, so the curve is not sampling noise), and the
+    seconds it took (`timing/val_s`: outside any `timing/step_s`; it goes with the record of its val/* metrics)."""
+    start, timer = time.perf_counter(), PhaseTimer()
     _, rewards, results = rollout(run, run.val_prompts, sampling_params(run.cfg, step, n=1, greedy=True), timer)
     correct = [r.correct for r in results if r.correct is not None]
     out = {"val/reward_mean": float(rewards.mean())}
     if correct:
         out["val/accuracy"] = sum(correct) / len(correct)
     logger.info("validation at step %d (%d prompts): %s", step, len(run.val_prompts), format_metrics(out))
-    return out
+    return {**out, "timing/val_s": time.perf_counter() - start}
 
 
 def trainer_state(run: Run, step: int, metric: float | None) -> dict[str, Any]:
@@ -400,6 +401,29 @@ def train(run: Run, start_step: int = 0) -> None:
         return bool(cfg.val_every) and (step % cfg.val_every == 0 or step == cfg.max_steps)
 
     warned_metric = False
+
+    def save_checkpoint(step: int, step_metrics: dict[str, float], done: bool) -> float:
+        """The checkpoint of the weights after `step` (scored by their validation, run here if it is due), and the
+        seconds its saving took (`timing/checkpoint_s`, without that validation: it is `timing/val_s`)."""
+        nonlocal warned_metric
+        ckpt = run.cfg.checkpointing
+        own_val = validation(step + 1) if due(step + 1) else {}  # no validation of its own: no score
+        metric = own_val[ckpt.metric] if ckpt.metric in own_val else step_metrics.get(ckpt.metric)
+        if own_val and metric is None and ckpt.metric and not warned_metric:
+            warned_metric = True  # with a validation at hand every metric exists: the name is wrong
+            near = difflib.get_close_matches(ckpt.metric, [*own_val, *step_metrics], n=1)
+            logger.warning("checkpointing.metric=%r is not a metric of this run%s: keep-top-k keeps the newest "
+                           "checkpoints only", ckpt.metric, f" (did you mean {near[0]!r}?)" if near else "")
+        start = time.perf_counter()
+        ahead = run.rollouts.ahead_bytes()
+        with_hf = ckpt.save_hf == "every" or (ckpt.save_hf == "final" and done)
+        saved = run.checkpoints.save(step + 1, run.workers.save_checkpoint, trainer_state(run, step + 1, metric),
+                                     files={SAMPLED_AHEAD_FILE: ahead} if ahead is not None else None,
+                                     save_hf=run.workers.save_hf if with_hf else None)
+        if with_hf and done:
+            logger.info("trained policy as a Hugging Face model (transformers, vLLM): %s", saved / HF_DIR)
+        return time.perf_counter() - start
+
     if start_step == cfg.max_steps and cfg.val_every:  # a finished run resumed: the sink dropped its last record
         run.sink.log(start_step, validation(start_step))
     if cfg.async_rollouts:
@@ -413,26 +437,14 @@ def train(run: Run, start_step: int = 0) -> None:
             val = validation(step) if due(step) else {}  # the weights before this step's update
             step_metrics = grpo_step(run, step)
             metrics = {**val, **step_metrics}
-            run.sink.log(step, metrics)
             if not show_bar:
                 logger.info("step %d (%d of %d): %s", step, step + 1, cfg.max_steps, format_metrics(metrics, STEP_LOG_KEYS))
             bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}", loss=f"{metrics.get('train/loss', 0):.2e}")
             done = step + 1 == cfg.max_steps
-            if done and cfg.val_every:
+            try:  # the step's record carries its checkpoint's time, and is logged even if the checkpoint fails
+                if run.checkpoints is not None and ((step + 1) % run.cfg.checkpointing.save_every == 0 or done):
+                    metrics["timing/checkpoint_s"] = save_checkpoint(step, step_metrics, done)
+            finally:
+                run.sink.log(step, metrics)
+            if done and cfg.val_every:  # after the checkpoint's record: W&B takes no step lower than its last
                 run.sink.log(step + 1, validation(step + 1))
-            ckpt = run.cfg.checkpointing
-            if run.checkpoints is not None and ((step + 1) % ckpt.save_every == 0 or done):
-                own_val = validation(step + 1) if due(step + 1) else {}  # no validation of its own: no score
-                metric = own_val[ckpt.metric] if ckpt.metric in own_val else step_metrics.get(ckpt.metric)
-                if own_val and metric is None and ckpt.metric and not warned_metric:
-                    warned_metric = True  # with a validation at hand every metric exists: the name is wrong
-                    near = difflib.get_close_matches(ckpt.metric, [*own_val, *step_metrics], n=1)
-                    logger.warning("checkpointing.metric=%r is not a metric of this run%s: keep-top-k keeps the newest "
-                                   "checkpoints only", ckpt.metric, f" (did you mean {near[0]!r}?)" if near else "")
-                ahead = run.rollouts.ahead_bytes()
-                with_hf = ckpt.save_hf == "every" or (ckpt.save_hf == "final" and done)
-                saved = run.checkpoints.save(step + 1, run.workers.save_checkpoint, trainer_state(run, step + 1, metric),
-                                             files={SAMPLED_AHEAD_FILE: ahead} if ahead is not None else None,
-                                             save_hf=run.workers.save_hf if with_hf else None)
-                if with_hf and done:
-                    logger.info("trained policy as a Hugging Face model (transformers, vLLM): %s", saved / HF_DIR)

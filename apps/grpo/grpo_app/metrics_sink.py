@@ -21,6 +21,9 @@ logger = logging.getLogger(__name__)
 # (`rollout/sampled_ahead`), ran beside the previous step and are not part of its time
 PHASES = ("generate", "reward", "rollout_wait", "logprobs", "train", "refit")
 SAMPLING = ("generate", "reward")
+# timed by the loop around the step, not part of timing/step_s, on the steps that have them: a validation goes with
+# the record of its val/* metrics (the last one's has no step of its own), a checkpoint with the step it saves
+OUTSIDE_STEP = ("val", "checkpoint")
 WANDB_RUN_ID_FILE = "wandb_run_id"  # in the log dir: the W&B run a resumed run continues
 
 
@@ -152,12 +155,12 @@ class MetricsSink:
         ax_reward.legend()
         steps, per_step = self._phase_times()
         bottom = [0.0] * len(steps)
-        for phase in PHASES:
+        for phase in (*PHASES, *OUTSIDE_STEP):
             values = [times.get(phase, 0.0) for times in per_step]  # a phase a step did not have stacks as 0
             if any(values):
                 ax_time.bar(steps, values, bottom=bottom, label=phase)
                 bottom = [a + b for a, b in zip(bottom, values)]
-        ax_time.set(xlabel="step", ylabel="seconds", title="Step time by phase")
+        ax_time.set(xlabel="step", ylabel="seconds", title="Time by phase (val, checkpoint: outside the step)")
         ax_time.legend()
         fig.tight_layout()
         fig.savefig(path, dpi=100)
@@ -175,13 +178,19 @@ class MetricsSink:
         if val:
             lines.append(f"validation reward: {val[0]:.3f} -> {val[-1]:.3f} ({val[-1] - val[0]:+.3f})")
         lines.append(f"{'phase':<12} {'mean s/step':>12} {'share':>7}")
-        steps, per_step = self._phase_times()
-        means = {phase: sum(t.get(phase, 0.0) for t in per_step) / len(steps) for phase in PHASES
-                 if any(phase in t for t in per_step)}
+        _, per_record = self._phase_times()
+        num_steps = max(1, sum(r.get("timing/step_s") is not None for r in self.history))
+        means = {phase: sum(t.get(phase, 0.0) for t in per_record) / num_steps for phase in (*PHASES, *OUTSIDE_STEP)
+                 if any(phase in t for t in per_record)}
         total = sum(means.values()) or 1.0
         for phase, mean in means.items():
             lines.append(f"{phase:<12} {mean:>12.3f} {mean / total:>6.1%}")
         lines.append(f"{'total':<12} {total:>12.3f}")
+        outside = {phase: sum(phase in t for t in per_record) for phase in OUTSIDE_STEP if phase in means}
+        if outside:  # a mean over every step, as the rows above, so that the shares add up to the run's time
+            done = " and ".join(f"{n} {'validation' if phase == 'val' else phase}{'s' * (n != 1)}"
+                                for phase, n in outside.items())
+            lines.append(f"{', '.join(outside)}: not in timing/step_s; the run's {done} spread over its {num_steps} steps")
         ahead = [r for r in self.history if r.get("rollout/sampled_ahead")]
         if ahead:
             for phase in SAMPLING:
@@ -195,15 +204,17 @@ class MetricsSink:
         return "\n".join(lines)
 
     def _phase_times(self) -> tuple[list[int], list[dict[str, float]]]:
-        """The steps, and the seconds of each phase a step spent itself (not what ran beside the step before)."""
+        """The steps, and the seconds of each phase a step spent itself (not what ran beside the step before), with
+        the validation and checkpoint of its record (OUTSIDE_STEP); the last validation's record, without a step, too."""
         steps, per_step = [], []
         for record in self.history:
-            if record.get("timing/step_s") is None:
-                continue
             beside = SAMPLING if record.get("rollout/sampled_ahead") else ()
+            times = {phase: record[f"timing/{phase}_s"] for phase in (*PHASES, *OUTSIDE_STEP)
+                     if phase not in beside and record.get(f"timing/{phase}_s") is not None}
+            if record.get("timing/step_s") is None and not times:
+                continue
             steps.append(record["step"])
-            per_step.append({phase: record[f"timing/{phase}_s"] for phase in PHASES
-                             if phase not in beside and record.get(f"timing/{phase}_s") is not None})
+            per_step.append(times)
         return steps, per_step
 
     def close(self, *, failed: bool = False) -> None:

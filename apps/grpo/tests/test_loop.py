@@ -499,3 +499,57 @@ def test_a_step_whose_groups_all_scored_alike_is_warned_about(caplog):
     rewards[0] = 0.0
     loop.warn_if_no_advantage(4, rewards, grpo_advantages(rewards, groups), kl_coef=0.0)
     assert not caplog.text
+
+
+class SlowValidationAndCheckpointWorkers(VersionedWorkers):
+    """A validation's generation (greedy) takes VAL_S, a checkpoint's save CKPT_S; a training step almost nothing."""
+
+    VAL_S, CKPT_S = 0.6, 0.2
+
+    def generate(self, prompts, params):
+        if params.temperature == 0.0:
+            time.sleep(self.VAL_S)
+        return super().generate(prompts, params)
+
+    def save_checkpoint(self, path):
+        time.sleep(self.CKPT_S)
+        super().save_checkpoint(path)
+
+
+def test_validation_and_checkpoint_times_are_logged_and_counted_in_the_summary(tmp_path):
+    """timing/step_s and the summary left validation and checkpoint saving out: the table said where the step's time
+    went, not the run's. Now each validation's seconds are `timing/val_s` in the record of its val/* metrics (the one
+    of step 2 ran beside step 1's checkpoint, which it scores), each checkpoint's `timing/checkpoint_s` in the record
+    of the step it saves, without that validation; the table's means are over the 4 steps, computed here by hand."""
+    run = make_run("grpo.max_steps=4", "grpo.val_every=2", "checkpointing.save_every=2", "checkpointing.save_hf=never",
+                   "logger.progress_bar=false")
+    run.val_prompts = run.train_prompts.items[:2]
+    run.workers = SlowValidationAndCheckpointWorkers()
+    run.sink = MetricsSink(tmp_path, tensorboard=False, resume_step=None)
+    run.checkpoints = CheckpointManager(tmp_path / "checkpoints", keep_top_k=5, metric="val/reward_mean",
+                                        higher_is_better=True)
+    loop.trainer_state(run, 0, None)  # imports the engine (as preflight has in a run), else in the first checkpoint
+    loop.train(run)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]  # 4: the last validation's record
+    assert [("timing/val_s" in r, "timing/checkpoint_s" in r) for r in records] == [
+        (True, False), (False, True), (True, False), (False, True), (True, False)]
+    val_s, ckpt_s = SlowValidationAndCheckpointWorkers.VAL_S, SlowValidationAndCheckpointWorkers.CKPT_S
+    assert all(r["timing/val_s"] >= val_s for r in records if "timing/val_s" in r)
+    assert all(ckpt_s <= r["timing/checkpoint_s"] < ckpt_s + val_s for r in records if "timing/checkpoint_s" in r)
+    assert all(r["timing/step_s"] < ckpt_s for r in records[:4])  # neither is in the step's time
+
+    *table, where = run.sink.summary().splitlines()
+    assert where == f"metrics: {tmp_path / 'metrics.jsonl'}"
+    *rows, note = [line.split() for line in table[2:]]  # after the validation reward line and the header
+    assert " ".join(note) == "val, checkpoint: not in timing/step_s; the run's 3 validations and 2 checkpoints spread " \
+                             "over its 4 steps"
+    means = {row[0]: float(row[1]) for row in rows}
+    want = {phase: sum(r.get(f"timing/{phase}_s", 0.0) for r in records) / 4
+            for phase in ("generate", "reward", "logprobs", "train", "refit", "val", "checkpoint")}
+    assert list(means) == [*want, "total"]
+    assert {k: means[k] for k in want} == pytest.approx(want, abs=1e-3)
+    assert means["total"] == pytest.approx(sum(want.values()), abs=1e-3)
+    shares = {row[0]: float(row[2].rstrip("%")) for row in rows if row[0] != "total"}
+    assert shares == pytest.approx({k: 100 * v / sum(want.values()) for k, v in want.items()}, abs=0.06)
+    assert run.sink.plot(tmp_path / "summary.png").stat().st_size > 0
