@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from grpo_app import program_name
 from grpo_app.prompts import PromptSource
 from rl_core.checkpoint_io import (
     MANIFEST_FILE,
@@ -275,7 +276,7 @@ def check_identity(resume_point: ResumePoint, identity: dict[str, Any], *, allow
             f"model (`{BASE_MODEL_KEY}`: a fingerprint of its weight files), so not even "
             "checkpointing.allow_config_change=true resumes it. Use the checkpoint's values (point policy.model_name at "
             "the base model the run was trained on), or start a new run "
-            f"(another logger.log_dir) from it: `uv run apps/grpo export {resume_point.path}` writes it as a Hugging "
+            f"(another logger.log_dir) from it: `{program_name()} export {resume_point.path}` writes it as a Hugging "
             "Face model (LoRA adapters merged) to set as policy.model_name")
     if allow_change:
         logger.warning("resuming %s under a changed config (checkpointing.allow_config_change=true): %s",

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from grpo_app import program_name
 from grpo_app.config import GRPOConfig, load_config
 from rl_core.checkpoint_io import atomic_write_text
 from rl_core.config import ConfigError
@@ -35,8 +36,8 @@ CHUNK_COMPLETIONS = 1024
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="uv run apps/grpo eval", description=__doc__.splitlines()[0],
-                                     epilog="example:\n  uv run apps/grpo eval --config runs/x/config.yaml "
+    parser = argparse.ArgumentParser(prog=f"{program_name()} eval", description=__doc__.splitlines()[0],
+                                     epilog=f"example:\n  {program_name()} eval --config runs/x/config.yaml "
                                             "policy.model_name=runs/x/checkpoints/step_100/hf --samples 8",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML config file (a run's config.yaml) or a shipped one's name")

@@ -21,6 +21,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from grpo_app import program_name
 from grpo_app.checkpoint import POLICY_DIR, STATE_FILE, CheckpointManager, run_identity
 from grpo_app.config import GRPOConfig, load_config
 from grpo_app.preflight import resolve_model
@@ -35,7 +36,7 @@ CONFIG_FILE = "config.yaml"  # what run_training writes into the run directory (
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="uv run apps/grpo export", description="Write a run checkpoint as a Hugging Face model directory (offline, either engine).")
+    parser = argparse.ArgumentParser(prog=f"{program_name()} export", description="Write a run checkpoint as a Hugging Face model directory (offline, either engine).")
     parser.add_argument("path", help="a run directory (its newest intact checkpoint) or one checkpoint (step_N)")
     parser.add_argument("--out", metavar="DIR", help="the new model directory (must not exist; default: <log_dir>/hf/step_N, "
                                       "<log_dir> being the directory of the run's config.yaml)")

@@ -21,6 +21,7 @@ from pathlib import Path
 import ray
 import yaml
 
+from grpo_app import program_name
 from grpo_app.build import RunInputs, checkpoint_manager, find_resume_point, load_inputs
 from grpo_app.checkpoint import DamagedOnLoad, ResumePoint, check_prompts
 from grpo_app.config import GRPOConfig, load_config
@@ -35,12 +36,13 @@ SUBCOMMANDS = {"export": "grpo_app.export", "eval": "grpo_app.evaluate"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    prog = program_name()
     parser = argparse.ArgumentParser(
-        prog="uv run apps/grpo", description=__doc__.splitlines()[0],
-        epilog="examples:\n  uv run apps/grpo grpo.max_steps=5\n"
-               "  uv run apps/grpo --config gpu_1x policy.megatron_cfg.enabled=true\n"
-               "  uv run apps/grpo export RUN_DIR [--out DIR]   (a checkpoint as a Hugging Face model; export -h)\n"
-               "  uv run apps/grpo eval --config RUN_DIR/config.yaml policy.model_name=MODEL_DIR [--samples K]\n"
+        prog=prog, description=__doc__.splitlines()[0],
+        epilog=f"examples:\n  {prog} grpo.max_steps=5\n"
+               f"  {prog} --config gpu_1x policy.megatron_cfg.enabled=true\n"
+               f"  {prog} export RUN_DIR [--out DIR]   (a checkpoint as a Hugging Face model; export -h)\n"
+               f"  {prog} eval --config RUN_DIR/config.yaml policy.model_name=MODEL_DIR [--samples K]\n"
                "      (mean reward and pass@k on the validation prompts; eval -h)\n"
                "every key and its default: apps/grpo/README.md", formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML config file, or the name of a shipped one (e.g. gpu_1x; default: cpu_default)")
@@ -50,7 +52,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     # `apps/grpo --config X eval --samples 2`: main dispatches on argv[0] only, and the subcommand's options would be
     # refused as unknown here first
     for name in sorted(SUBCOMMANDS.keys() & set(sys.argv[1:] if argv is None else argv)):
-        parser.error(f"'{name}' is a subcommand and comes first: uv run apps/grpo {name} [its options] (see {name} -h)")
+        parser.error(f"'{name}' is a subcommand and comes first: {prog} {name} [its options] (see {name} -h)")
     return parser.parse_intermixed_args(argv)  # overrides may come before and after --config
 
 

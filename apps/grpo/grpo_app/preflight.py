@@ -28,6 +28,7 @@ from importlib.machinery import PathFinder
 from pathlib import Path
 from typing import Any, Literal
 
+from grpo_app import program_name
 from grpo_app.checkpoint import HF_DIR, STATE_FILE
 from grpo_app.config import EnvConfig, GRPOConfig, WandbConfig
 from grpo_app.devices import check_hardware, detect_hardware
@@ -371,7 +372,7 @@ def model_dir_problem(name: str) -> str:
         kind = "checkpoint" if (path / STATE_FILE).is_file() else "directory"
         copies = _hf_copies(path)
         use = (f"use its Hugging Face copy, policy.model_name={copies[-1]}" if copies else
-               f"write one with `uv run apps/grpo export {name}` and set policy.model_name to the directory it names")
+               f"write one with `{program_name()} export {name}` and set policy.model_name to the directory it names")
         return f"policy.model_name={name!r} is a trainer's run {kind}, not a Hugging Face model directory: {use}"
     return f"policy.model_name={name!r} is not a local Hugging Face checkpoint directory (no config.json); {fix}"
 
