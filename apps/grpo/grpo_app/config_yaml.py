@@ -52,6 +52,8 @@ class ConfigLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: merged (and overridden) by flatten_mapping
+                continue
             key = self.construct_object(key_node, deep=deep)
             line = key_node.start_mark.line + 1
             key = key.text if isinstance(key, BoolWord) else key

@@ -389,3 +389,16 @@ def test_yes_no_on_off_are_text_for_a_string_key_and_booleans_elsewhere(tmp_path
     gpu = Hardware(cuda_available=True, bf16_supported=True, num_gpus=2)
     assert load_config(None, ["generation.colocated=off"], hardware=gpu).generation.in_policy_workers is False
     assert load_config(None, ["generation.colocated=on"], hardware=gpu).generation.in_policy_workers is True
+
+
+def test_a_file_may_merge_an_anchored_mapping(tmp_path):
+    """`<<: *anchor` (YAML's merge key) failed as 'could not determine a constructor for the tag ...merge': the
+    duplicate-key check constructed every key, the merge key too. Merged keys may be overridden; a key given twice
+    beside it is still refused."""
+    path = write(tmp_path / "c.yaml", "x-opt: &opt {lr: 1.0e-4, weight_decay: 0.1}\n"
+                                      "policy:\n  optimizer:\n    kwargs: {<<: *opt, lr: 2.0e-4}\n")
+    data = load_yaml(path)
+    assert data["policy"]["optimizer"]["kwargs"] == {"lr": 2.0e-4, "weight_decay": 0.1}
+    path.write_text("x-opt: &opt {lr: 1.0e-4}\nkwargs: {<<: *opt, lr: 2.0e-4, lr: 3.0e-4}\n")
+    with pytest.raises(ConfigError, match=r"c.yaml:2: duplicate key 'lr'"):
+        load_yaml(path)
