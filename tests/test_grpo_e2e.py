@@ -19,10 +19,13 @@ import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+# answer_len = max_new_tokens: the random model's completions of 8 one-character tokens earn repeat_char's length
+# bonus and those with a special or <extra_*> token do not, so the first steps have advantages to train on (their
+# characters alone rarely match: 16 completions could all score 0, and a step then changes nothing)
 SMALL = [
     "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "policy.train_global_batch_size=16",
     "policy.train_micro_batch_size=8", "grpo.num_val_prompts=8", "generation.max_new_tokens=8",
-    "logger.tensorboard=false", "logger.progress_bar=false",
+    "env.kwargs.answer_len=8", "logger.tensorboard=false", "logger.progress_bar=false",
 ]
 
 
@@ -431,7 +434,8 @@ def test_reward_model_environment_trains_and_evaluates(tmp_path):
     rm = save_tiny_reward_model(tmp_path / "rm")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"{c}{c}:{n}"}) + "\n" for c in "abcdefgh" for n in range(1, 4)))
-    task = ["env.name=reward_model", f"env.kwargs.model={rm}", f"env.train_data={prompts}", f"env.val_data={prompts}"]
+    # env.kwargs as a whole mapping: SMALL's repeat_char answer_len is no reward_model argument
+    task = ["env.name=reward_model", f"env.kwargs={{model: {rm}}}", f"env.train_data={prompts}", f"env.val_data={prompts}"]
     records = run_grpo(tmp_path / "run", *task, "grpo.max_steps=2", "grpo.val_every=2", "checkpointing.save_every=2")
     steps = train_records(records)
     assert sorted(steps) == [0, 1] and all(math.isfinite(r["train/loss"]) for r in steps.values())
