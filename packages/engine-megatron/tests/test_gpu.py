@@ -184,3 +184,20 @@ def test_lora_on_gpu_trains_the_dtensor_engines_adapters(tiny_ckpt) -> None:
     megatron = run_distributed(engine_run, world_size=1, args=(ckpt, {"lora_cfg": lora}, PACKING, 3),
                                backend=CUDA_BACKEND)
     assert_same_run(megatron, dtensor, logprob_tol=2e-5, weight_rel_tol=1e-5, weight_abs_tol=1e-4)
+
+
+def _export_devices(rank: int, world_size: int, ckpt: str) -> dict:
+    from engine_megatron.engine import MegatronEngine
+
+    engine = MegatronEngine(make_policy(ckpt, precision="bfloat16"))
+    exported = list(engine.export_hf_weights())
+    return {"devices": sorted({t.device.type for _, t in exported}), "count": len(exported)}
+
+
+@pytest.mark.gpu
+def test_export_yields_full_tensors_on_the_gpu(tiny_ckpt) -> None:
+    """Refit takes the exported tensors where the engine has them (as DTensor's export does): a generator on the
+    same GPU copies device to device, the NCCL group sends them as they are; it went through the host, one
+    blocking copy a tensor each way."""
+    r = run_distributed(_export_devices, world_size=1, args=(tiny_ckpt("qwen2"),), backend=CUDA_BACKEND)[0]
+    assert r["devices"] == ["cuda"] and r["count"] > 0, r

@@ -150,7 +150,7 @@ class HFShardWriter:
                              f"{expected!r} {shape} {dtype} was planned")
         if shard != self._file_index:
             self._open_shard(shard)
-        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu()  # an engine's export may be on a GPU
         if data.numel():
             self._file.write(memoryview(data.numpy()))
         self._pos += 1

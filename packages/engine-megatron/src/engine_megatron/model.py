@@ -346,7 +346,9 @@ class _GatheredParams:
         self.device = next(iter(self.local.values())).device
 
     def full(self, name: str) -> Tensor:
-        """The full tensor `name` on the CPU: gathered over TP by its owner's TP group, broadcast to the others."""
+        """The full tensor `name` on the model's device (as DTensor's export: a refit to a generator on that GPU or
+        over NCCL needs no round trip through the host), gathered over TP by its owner's TP group, broadcast to the
+        others; writers copy to the host themselves."""
         owner, shape, dtype = self.owners[name]
         if name in self.local:  # every rank of the owner's TP group takes part in the gather
             full = _tp_gather(self.model_cfg, self.local[name], name).contiguous()
@@ -354,7 +356,7 @@ class _GatheredParams:
             full = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
         if dist.get_world_size() > 1:
             dist.broadcast(full, src=owner)  # PP stages and EP ranks that do not hold it receive it
-        return full.cpu()
+        return full
 
 
 def _full_shape(param: Tensor) -> tuple[int, ...]:
