@@ -79,13 +79,15 @@ def _sender_holding(rank: int, world_size: int, bucket_bytes: int):
                 LargestAllocation.largest = max(LargestAllocation.largest, out.numel() * out.element_size())
             return out
 
-    made, held = [], []
+    made, held = [], []  # the storages of the tensors copied into buckets (the large one is broadcast as it is,
+    # and gloo's worker thread may still hold a collective's tensor for a moment after wait() returned)
 
     def export():
         for i, nbytes in enumerate(sizes):
             held.append(sum(not torch.UntypedStorage._expired(ref) for ref in made))  # what the sender still holds
             tensor = torch.full((nbytes // 4,), float(i))
-            made.append(tensor.untyped_storage()._weak_ref())
+            if nbytes < bucket_bytes:
+                made.append(tensor.untyped_storage()._weak_ref())
             yield f"t{i}", tensor
             del tensor
 
