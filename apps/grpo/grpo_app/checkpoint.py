@@ -77,10 +77,13 @@ class CheckpointManager:
         return sorted(int(name[5:]) for name in names if name[5:].isdigit() and name == f"step_{int(name[5:])}")
 
     def save(self, step: int, save_engine: Callable[[str], None], state: dict[str, Any],
-             files: dict[str, bytes] | None = None, save_hf: Callable[[str], None] | None = None) -> Path:
+             files: dict[str, bytes] | None = None, save_hf: Callable[[str], None] | None = None,
+             before_publish: Callable[[], None] | None = None) -> Path:
         """`save_engine(path)` writes the policy; `state` is the trainer's JSON-serialisable state; `files`, more
         of the trainer's state by file name (the groups sampled ahead); `save_hf(path)`, if given, a Hugging Face
-        copy of the policy (`HF_DIR`)."""
+        copy of the policy (`HF_DIR`). `before_publish()` runs once everything is written, before the checkpoint
+        appears under its name (the loop logs the step's metrics there: a resume from this checkpoint keeps the
+        records before it, so a record logged after it appeared was lost to a kill in between)."""
         final = self.root / f"step_{step}"
         self._recover()
         for stale in self.root.glob(".step_*.tmp-*"):  # what a killed save left behind
@@ -94,6 +97,8 @@ class CheckpointManager:
             for name, data in (files or {}).items():
                 (tmp / name).write_bytes(data)
             write_manifest(tmp)
+            if before_publish is not None:
+                before_publish()
         logger.info("checkpoint saved: %s", final)
         self._prune(saved=step)
         return final

@@ -402,9 +402,11 @@ def train(run: Run, start_step: int = 0) -> None:
 
     warned_metric = False
 
-    def save_checkpoint(step: int, step_metrics: dict[str, float], done: bool) -> float:
-        """The checkpoint of the weights after `step` (scored by their validation, run here if it is due), and the
-        seconds its saving took (`timing/checkpoint_s`, without that validation: it is `timing/val_s`)."""
+    def save_checkpoint(step: int, step_metrics: dict[str, float], done: bool,
+                        log_record: Callable[[float], None]) -> None:
+        """The checkpoint of the weights after `step` (scored by their validation, run here if it is due);
+        `log_record(seconds)` logs the step's record with the seconds the saving took (`timing/checkpoint_s`,
+        without that validation: it is `timing/val_s`) once the checkpoint is written, before it is published."""
         nonlocal warned_metric
         ckpt = run.cfg.checkpointing
         own_val = validation(step + 1) if due(step + 1) else {}  # no validation of its own: no score
@@ -419,10 +421,10 @@ def train(run: Run, start_step: int = 0) -> None:
         with_hf = ckpt.save_hf == "every" or (ckpt.save_hf == "final" and done)
         saved = run.checkpoints.save(step + 1, run.workers.save_checkpoint, trainer_state(run, step + 1, metric),
                                      files={SAMPLED_AHEAD_FILE: ahead} if ahead is not None else None,
-                                     save_hf=run.workers.save_hf if with_hf else None)
+                                     save_hf=run.workers.save_hf if with_hf else None,
+                                     before_publish=lambda: log_record(time.perf_counter() - start))
         if with_hf and done:
             logger.info("trained policy as a Hugging Face model (transformers, vLLM): %s", saved / HF_DIR)
-        return time.perf_counter() - start
 
     if start_step == cfg.max_steps and cfg.val_every:  # a finished run resumed: the sink dropped its last record
         run.sink.log(start_step, validation(start_step))
@@ -441,10 +443,20 @@ def train(run: Run, start_step: int = 0) -> None:
                 logger.info("step %d (%d of %d): %s", step, step + 1, cfg.max_steps, format_metrics(metrics, STEP_LOG_KEYS))
             bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}", loss=f"{metrics.get('train/loss', 0):.2e}")
             done = step + 1 == cfg.max_steps
+            logged = False
+
+            def log_record(checkpoint_s: float | None = None) -> None:
+                nonlocal logged
+                if checkpoint_s is not None:
+                    metrics["timing/checkpoint_s"] = checkpoint_s
+                logged = True
+                run.sink.log(step, metrics)
+
             try:  # the step's record carries its checkpoint's time, and is logged even if the checkpoint fails
                 if run.checkpoints is not None and ((step + 1) % run.cfg.checkpointing.save_every == 0 or done):
-                    metrics["timing/checkpoint_s"] = save_checkpoint(step, step_metrics, done)
+                    save_checkpoint(step, step_metrics, done, log_record)
             finally:
-                run.sink.log(step, metrics)
+                if not logged:
+                    log_record()
             if done and cfg.val_every:  # after the checkpoint's record: W&B takes no step lower than its last
                 run.sink.log(step + 1, validation(step + 1))

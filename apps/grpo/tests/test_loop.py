@@ -553,3 +553,32 @@ def test_validation_and_checkpoint_times_are_logged_and_counted_in_the_summary(t
     shares = {row[0]: float(row[2].rstrip("%")) for row in rows if row[0] != "total"}
     assert shares == pytest.approx({k: 100 * v / sum(want.values()) for k, v in want.items()}, abs=0.06)
     assert run.sink.plot(tmp_path / "summary.png").stat().st_size > 0
+
+
+def test_a_checkpoint_appears_only_once_the_record_of_the_step_it_saves_is_logged(tmp_path, monkeypatch):
+    """A run resumed from step_N keeps the records of the steps before N, so the record of step N - 1 (the one
+    step_N saves) must be in metrics.jsonl before step_N appears under its name: it was logged just after, and a
+    kill in between lost it for good (the async kill-and-resume e2e test, under load, resumed without step 3's)."""
+    from rl_core import checkpoint_io
+
+    logged_at_publish = {}
+    publish = checkpoint_io.publish_dir
+
+    def recording_publish(tmp, final, **kwargs):
+        lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+        logged_at_publish[Path(final).name] = [json.loads(line)["step"] for line in lines]
+        return publish(tmp, final, **kwargs)
+
+    monkeypatch.setattr(checkpoint_io, "publish_dir", recording_publish)
+    run = make_run("grpo.max_steps=4", "grpo.val_every=0", "checkpointing.save_every=2", "checkpointing.save_hf=never",
+                   "logger.progress_bar=false")
+    run.workers = SlowValidationAndCheckpointWorkers()
+    run.sink = MetricsSink(tmp_path, tensorboard=False, resume_step=None)
+    run.checkpoints = CheckpointManager(tmp_path / "checkpoints", keep_top_k=5, metric="m", higher_is_better=True)
+    loop.trainer_state(run, 0, None)  # imports the engine (as preflight has in a run), else in the first checkpoint
+    loop.train(run)
+    assert logged_at_publish == {"step_2": [0, 1], "step_4": [0, 1, 2, 3]}
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    ckpt_s = SlowValidationAndCheckpointWorkers.CKPT_S
+    assert [r["timing/checkpoint_s"] >= ckpt_s for r in records if "timing/checkpoint_s" in r] == [True, True]
+    assert [r["step"] for r in records if "timing/checkpoint_s" in r] == [1, 3]
