@@ -373,6 +373,22 @@ def trainer_state(run: Run, step: int, metric: float | None) -> dict[str, Any]:
             "identity": run_identity(run.cfg)}
 
 
+@dataclass
+class StepRecord:
+    """A step's metrics, logged once: as its checkpoint is written (before it is published), else after the step."""
+
+    sink: MetricsSink
+    step: int
+    metrics: dict[str, float]
+    logged: bool = False
+
+    def log(self, checkpoint_s: float | None = None) -> None:
+        if checkpoint_s is not None:
+            self.metrics["timing/checkpoint_s"] = checkpoint_s
+        self.logged = True
+        self.sink.log(self.step, self.metrics)
+
+
 def train(run: Run, start_step: int = 0) -> None:
     """The outer loop: validate, step, log, checkpoint.
 
@@ -443,20 +459,12 @@ def train(run: Run, start_step: int = 0) -> None:
                 logger.info("step %d (%d of %d): %s", step, step + 1, cfg.max_steps, format_metrics(metrics, STEP_LOG_KEYS))
             bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}", loss=f"{metrics.get('train/loss', 0):.2e}")
             done = step + 1 == cfg.max_steps
-            logged = False
-
-            def log_record(checkpoint_s: float | None = None) -> None:
-                nonlocal logged
-                if checkpoint_s is not None:
-                    metrics["timing/checkpoint_s"] = checkpoint_s
-                logged = True
-                run.sink.log(step, metrics)
-
+            record = StepRecord(run.sink, step, metrics)
             try:  # the step's record carries its checkpoint's time, and is logged even if the checkpoint fails
                 if run.checkpoints is not None and ((step + 1) % run.cfg.checkpointing.save_every == 0 or done):
-                    save_checkpoint(step, step_metrics, done, log_record)
+                    save_checkpoint(step, step_metrics, done, record.log)
             finally:
-                if not logged:
-                    log_record()
+                if not record.logged:
+                    record.log()
             if done and cfg.val_every:  # after the checkpoint's record: W&B takes no step lower than its last
                 run.sink.log(step + 1, validation(step + 1))
