@@ -440,6 +440,7 @@ def test_reward_model_environment_trains_and_evaluates(tmp_path):
     steps = train_records(records)
     assert sorted(steps) == [0, 1] and all(math.isfinite(r["train/loss"]) for r in steps.values())
     assert steps[0]["rollout/reward_std"] > 0  # the reward model tells completions apart
+    assert "Loading weights" not in (tmp_path / "run.log").read_text()  # the reward worker's, loading the model
     out = tmp_path / "eval.jsonl"
     proc = subprocess.run([sys.executable, str(ROOT / "apps/grpo"), "eval", "--config", str(tmp_path / "run/config.yaml"),
                            f"policy.model_name={tmp_path / 'run/checkpoints/step_2/hf'}", "--out", str(out)],

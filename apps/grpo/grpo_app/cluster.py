@@ -29,7 +29,9 @@ from grpo_app.colocation import Colocation
 from grpo_app.config import GRPOConfig
 from grpo_app.devices import generation_tp_size
 from grpo_app.refit import RefitPath, num_gpus_needed, refit_path
-from grpo_app.workers import LOG_LEVEL_ENV, GenerationWorker, PolicyWorker, RewardWorker
+from grpo_app.reward_worker import RewardWorker, close_environment
+from grpo_app.worker_logging import LOG_LEVEL_ENV
+from grpo_app.workers import GenerationWorker, PolicyWorker
 from rl_core.batch import TokenBatch
 from rl_core.config import ConfigError
 from rl_core.distributed import free_port
@@ -509,19 +511,14 @@ class Workers:
         """Kill every actor. The reward workers first close their environments, for up to REWARD_CLOSE_TIMEOUT_S
         (a close waits for the batch the worker is scoring): ray.kill ends a process with nothing of it run, and
         a closed scoring pool has removed its scratch directories (else the next run on the node removes them)."""
-        closing = [w.__ray_call__.remote(lambda worker: _close_environment(worker.env)) for w in self.rewarders]
+        closing = [w.close.remote() for w in self.rewarders]
         for actor in (*self.policy, *([] if self.in_process else self.generators)):
             ray.kill(actor)
         self.placement.remove()  # else the GPUs stay reserved until the driver exits
         self._scoring.shutdown(wait=True)
-        _close_environment(self.local_env)
+        close_environment(self.local_env)
         done, _ = ray.wait(closing, num_returns=len(closing), timeout=REWARD_CLOSE_TIMEOUT_S)
         with contextlib.suppress(ray.exceptions.RayError):  # a reward worker that died has nothing to close
             ray.get(done)
         for actor in self.rewarders:
             ray.kill(actor)
-
-
-def _close_environment(env: Any) -> None:
-    if hasattr(env, "close"):  # stop its scoring subprocesses (Environment has no close())
-        env.close()

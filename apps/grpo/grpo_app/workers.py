@@ -1,4 +1,4 @@
-"""Ray actors that host the parts: policy engine ranks, generation workers, reward workers.
+"""Ray actors that host the engines: policy ranks and generation workers (the reward worker: grpo_app.reward_worker).
 
 With `generation.in_policy_workers` the policy ranks host the generation backends too (`GeneratorHost`).
 
@@ -19,6 +19,7 @@ import ray
 import torch
 
 from grpo_app.refit import RefitGroup, refit_in_process, tcp_store
+from grpo_app.worker_logging import setup_worker_logging
 
 logger = logging.getLogger(__name__)
 
@@ -43,19 +44,9 @@ def peak_gpu_memory() -> dict[str, float]:
     return all_reduce_metrics({"gpu_allocated_gib_max": torch.cuda.max_memory_allocated() / 2**30})
 
 
-LOG_LEVEL_ENV = "GRPO_LOG_LEVEL"  # the driver's log level, set by cluster.start_ray
-
-
 def _setup_process(num_threads: int) -> None:
-    from transformers.utils import logging as hf_logging
-
-    # the driver's --log-level (cluster.start_ray); the format is the driver's too
-    logging.basicConfig(level=os.environ.get(LOG_LEVEL_ENV, "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_worker_logging()
     torch.set_num_threads(max(1, num_threads))
-    # transformers' bars (loading weights) from every rank would interleave in the driver's log, where Ray turns
-    # each redraw into a line of its own (the driver logs when the workers are up)
-    hf_logging.disable_progress_bar()
 
 
 class GeneratorHost:
@@ -172,17 +163,3 @@ class GenerationWorker(GeneratorHost):
 
     def receive_weights(self) -> None:
         self.refit.receive_into(self.backend.update_weights)
-
-
-@ray.remote
-class RewardWorker:
-    """An `Environment`; it runs untrusted scoring in its own subprocess pool with time limits."""
-
-    def __init__(self, name: str, kwargs: dict[str, Any]) -> None:
-        from rollout.environments import create_environment
-
-        _setup_process(1)
-        self.env = create_environment(name, **kwargs)
-
-    def score(self, requests: list[Any]) -> list[Any]:
-        return self.env.score(requests)

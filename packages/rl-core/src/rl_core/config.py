@@ -22,10 +22,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
-from rl_core.logprobs import DEFAULT_LOGPROB_CHUNK_TOKENS
-
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
+
+# policy.logprob_chunk_tokens: 1536 tokens x 151936 (Qwen2.5's vocabulary) x 4 bytes = 0.87 GiB per float32
+# intermediate of the log-softmax (rl_core.logprobs)
+DEFAULT_LOGPROB_CHUNK_TOKENS = 1536
 
 
 _WARNED: set[str] = set()

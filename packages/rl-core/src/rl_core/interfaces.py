@@ -9,11 +9,12 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
-from torch import Tensor
+if TYPE_CHECKING:  # annotations only: a reward environment implements these contracts without torch
+    from torch import Tensor
 
-from rl_core.batch import LossFn, StepResult, TokenBatch
+    from rl_core.batch import LossFn, StepResult, TokenBatch
 
 
 @runtime_checkable

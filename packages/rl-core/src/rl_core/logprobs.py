@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-# 1536 tokens x 151936 (Qwen2.5's vocabulary) x 4 bytes = 0.87 GiB per float32 intermediate.
-DEFAULT_LOGPROB_CHUNK_TOKENS = 1536
+from rl_core.config import DEFAULT_LOGPROB_CHUNK_TOKENS
+
 # What a truncated-away logit becomes before the log-softmax: exp(_DROPPED - max) is exactly 0 in float32,
 # and unlike -inf a row whose every local column is dropped (a TP rank) still has a finite log-normaliser.
 _DROPPED = -1e30

@@ -15,14 +15,12 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-
 from rl_core.interfaces import RewardRequest, RewardResult
 from rollout.environments.base import register_environment
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 @register_environment("reward_model")
@@ -31,6 +29,9 @@ class RewardModelEnvironment:
 
     def __init__(self, *, model: str, device: str = "cpu", dtype: str = "float32", batch_size: int = 16,
                  max_length: int | None = None, label: int = 0, chat_template: bool = False) -> None:
+        # here, not at the module's top: the registry imports this module in every reward worker, most of which
+        # score with functions and need neither
+        import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         if not (Path(model) / "config.json").is_file():
@@ -52,8 +53,8 @@ class RewardModelEnvironment:
         if self.tokenizer.pad_token_id is None:  # padding is only for batching; the score is at the last real token
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.tokenizer.padding_side = "right"
-        self.model = AutoModelForSequenceClassification.from_pretrained(model, dtype=DTYPES[dtype]).eval()
-        self.model.requires_grad_(False).to(self.device)
+        self.model = AutoModelForSequenceClassification.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
+        self.model.requires_grad_(False).to(self.device)  # and so `score` records no autograd graph
         if self.model.config.pad_token_id is None:  # where the pooling looks for the last real token
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         if not 0 <= label < self.model.config.num_labels:
@@ -62,7 +63,6 @@ class RewardModelEnvironment:
         self.batch_size, self.max_length, self.label = batch_size, max_length, label
         logger.info("reward model %s (%s, %s) on %s", model, type(self.model).__name__, dtype, self.device)
 
-    @torch.no_grad()
     def score(self, requests: Sequence[RewardRequest]) -> list[RewardResult]:
         texts = [self._text(r) for r in requests]
         scores: list[float] = []
