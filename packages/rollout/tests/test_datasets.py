@@ -206,6 +206,18 @@ def test_toy_prompts_become_examples_with_flat_metadata(tokenizer):
     assert [e.metadata["target"] for e in examples] == [e.prompt[-1] for e in examples]
 
 
+def test_prompts_encoded_together_are_each_prompt_encoded_alone(tokenizer):
+    """build_examples encodes the whole list in one call: the ids are those of one `encode` per prompt, in order,
+    with and without the chat template (whose own special tokens stand instead of the BOS)."""
+    records = toy_prompts("copy_digits", 150) + toy_prompts("repeat_char", 150) + ROWS
+    for chat in (False, True):
+        examples = build_examples(records, tokenizer, apply_chat_template=chat)
+        alone = [tokenizer.encode(e.prompt, add_special_tokens=False) for e in examples]
+        assert [e.prompt_token_ids for e in examples] == (alone if chat else [[tokenizer.bos_token_id] + a for a in alone])
+        assert [e.metadata for e in examples][-2:] == [{"answer": "1/2"}, {"answer": "4"}]
+    assert build_examples([], tokenizer) == []
+
+
 def test_answer_key_reads_verls_nested_ground_truth_from_parquet(tmp_path, tokenizer):
     """verl's prepared data (chat-message prompts, the answer in a `reward_model` struct column) trains with
     env.answer_key=reward_model.ground_truth: the math environment's metadata 'answer' is that field."""
