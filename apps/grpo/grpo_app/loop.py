@@ -178,11 +178,12 @@ def sampling_params(cfg: GRPOConfig, step: int, *, n: int, greedy: bool = False)
 
 
 def reward_requests(prompts: list[PromptExample], completions: list[Completion], tokenizer: Any) -> list[RewardRequest]:
-    """What the environment scores: each completion's text with its prompt (as rendered and as chat messages) and the
-    prompt's metadata."""
+    """What the environment scores: each completion's text and finish reason with its prompt (as rendered and as chat
+    messages) and the prompt's metadata."""
     return [RewardRequest(prompt=prompts[c.prompt_index].prompt, metadata=prompts[c.prompt_index].metadata,
                           messages=prompts[c.prompt_index].messages,
-                          completion=tokenizer.decode(c.token_ids, skip_special_tokens=True))
+                          completion=tokenizer.decode(c.token_ids, skip_special_tokens=True),
+                          finish_reason=c.finish_reason)
             for c in completions]
 
 

@@ -173,8 +173,8 @@ def test_batch_rows_masks_and_logprobs_are_aligned():
 
 
 def test_reward_requests_carry_the_prompt_as_rendered_and_as_messages():
-    """An environment gets the policy's text, the row's metadata and the chat messages (a reward model with its own
-    chat template renders those), each completion with its own prompt's."""
+    """An environment gets the policy's text, its finish reason, the row's metadata and the chat messages (a reward
+    model with its own chat template renders those), each completion with its own prompt's."""
     from rl_core.testing.tiny_models import build_tokenizer
 
     tokenizer = build_tokenizer()
@@ -182,10 +182,10 @@ def test_reward_requests_carry_the_prompt_as_rendered_and_as_messages():
     prompts = [PromptExample(prompt=f"user: {m[0]['content']}\n", prompt_token_ids=[5], metadata={"i": i},
                              messages=m) for i, m in enumerate(messages)]
     completions = [Completion(prompt_index=i, token_ids=tokenizer.encode("xy", add_special_tokens=False),
-                              logprobs=[0.0, 0.0], finish_reason="stop") for i in (1, 0)]
+                              logprobs=[0.0, 0.0], finish_reason=reason) for i, reason in ((1, "stop"), (0, "length"))]
     requests = loop.reward_requests(prompts, completions, tokenizer)
-    assert [(r.prompt, r.completion, r.metadata, r.messages) for r in requests] == [
-        ("user: cd\n", "xy", {"i": 1}, messages[1]), ("user: ab\n", "xy", {"i": 0}, messages[0])]
+    assert [(r.prompt, r.completion, r.metadata, r.messages, r.finish_reason) for r in requests] == [
+        ("user: cd\n", "xy", {"i": 1}, messages[1], "stop"), ("user: ab\n", "xy", {"i": 0}, messages[0], "length")]
 
 
 def test_prev_logprob_pass_runs_only_with_several_optimizer_steps_per_batch():

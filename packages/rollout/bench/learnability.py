@@ -64,7 +64,7 @@ def _validate(backend, env, tokenizer, val, max_new: int) -> float:
     prompts = [_encode(tokenizer, p["prompt"]) for p in val]
     out = backend.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=max_new))
     requests = [RewardRequest(prompt=p["prompt"], completion=tokenizer.decode(c.token_ids, skip_special_tokens=True),
-                              metadata=p["metadata"]) for p, c in zip(val, out)]
+                              metadata=p["metadata"], finish_reason=c.finish_reason) for p, c in zip(val, out)]
     logger.debug("validation samples: %s", [(r.prompt, r.completion) for r in requests[:6]])
     return sum(r.reward for r in env.score(requests)) / len(requests)
 
@@ -118,7 +118,8 @@ def run_grpo(cfg: ToyRunConfig, cache_dir: str | None = None) -> ToyRunResult:
         completions = backend.generate(prompts, params)
         rewards = env.score([RewardRequest(prompt=batch[c.prompt_index]["prompt"],
                                            completion=tokenizer.decode(c.token_ids, skip_special_tokens=True),
-                                           metadata=batch[c.prompt_index]["metadata"]) for c in completions])
+                                           metadata=batch[c.prompt_index]["metadata"],
+                                           finish_reason=c.finish_reason) for c in completions])
         reward_t = torch.tensor([r.reward for r in rewards])
         group_ids = torch.tensor([c.prompt_index for c in completions])
         advantages = grpo_advantages(reward_t, group_ids)

@@ -163,6 +163,49 @@ def test_repeat_char_reward_gives_partial_credit():
 
 
 @pytest.mark.parametrize("task", ["repeat_char", "copy_digits"])
+def test_a_toy_completion_cut_at_max_new_tokens_gets_no_stop_bonus(task, tokenizer):
+    """The stop bonus is for stopping: "777<s>7<s>" decodes (special tokens dropped) to the 4 characters of a
+    completion that stopped, and before the finish reason reached the reward a policy learnt exactly that (measured:
+    with loss.kl_coef=0.05 and stop_bonus 0.5, every sample ended in <s> padding and none stopped)."""
+    prompt, target = ("ab:7", "7777") if task == "repeat_char" else ("cp 7777:", "7777")
+    padded = tokenizer.decode(tokenizer.encode("777<s>7<s>", add_special_tokens=False), skip_special_tokens=True)
+    assert padded == target
+    env = create_environment(task, num_workers=0)
+    try:
+        requests = [RewardRequest(prompt=prompt, completion=padded, metadata={"target": target[:1] if task ==
+                                  "repeat_char" else target}, finish_reason=reason) for reason in ("length", "stop")]
+        assert [r.reward for r in env.score(requests)] == pytest.approx([0.8, 1.0])
+    finally:
+        env.close()
+
+
+FINISH_REASON_TAKERS = textwrap.dedent('''
+    def named(*, prompt, completion, metadata, finish_reason=None):
+        return {"stop": 1.0, "length": 0.5, None: 0.0}[finish_reason]
+
+    def plain(*, prompt, completion, metadata):
+        return 1.0
+
+    def catch_all(*, prompt, completion, metadata, **kwargs):  # gets only its fn_kwargs
+        return float(len(kwargs))
+''')
+
+
+def test_a_reward_function_gets_the_finish_reason_only_where_its_signature_names_it(tmp_path, monkeypatch):
+    (tmp_path / "finish_rewards.py").write_text(FINISH_REASON_TAKERS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    requests = [RewardRequest(prompt="p", completion="c", finish_reason=reason) for reason in ("stop", "length", None)]
+    for fn, expected in [("named", [1.0, 0.5, 0.0]), ("plain", [1.0] * 3), ("catch_all", [0.0] * 3)]:
+        env = create_environment("function", fn=f"finish_rewards:{fn}", num_workers=1)
+        try:
+            results = env.score(requests)
+            assert [r.error for r in results] == [None] * 3, fn
+            assert [r.reward for r in results] == expected, fn
+        finally:
+            env.close()
+
+
+@pytest.mark.parametrize("task", ["repeat_char", "copy_digits"])
 def test_toy_prompts_split_train_and_held_out(task):
     train = toy_prompts(task, 200, split="train", seed=0)
     val = toy_prompts(task, 50, split="validation", seed=0)
@@ -222,11 +265,11 @@ def test_a_slow_replacement_costs_other_calls_no_time(tmp_path, monkeypatch):
     try:
         marker.touch()  # from here on, a worker takes > 2 s to start
         start = time.monotonic()
-        outcomes = pool.run([("p", "crash", {}), ("p", "ok", {"sleep": 0.3})] + [("p", "ok", {})] * 6)
+        outcomes = pool.run([("p", "crash", {}, {}), ("p", "ok", {"sleep": 0.3}, {})] + [("p", "ok", {}, {})] * 6)
         elapsed = time.monotonic() - start
         assert [o.status for o in outcomes] == ["crash"] + ["ok"] * 7
         assert elapsed < 2.5, elapsed  # did not wait for the replacement
-        again = pool.run([("p", "ok", {"sleep": 0.5})] * 2)
+        again = pool.run([("p", "ok", {"sleep": 0.5}, {})] * 2)
         assert [o.status for o in again] == ["ok", "ok"] and len(pool._workers) == 2
     finally:
         pool.close()
@@ -243,11 +286,11 @@ def test_a_worker_killed_while_idle_is_replaced_and_the_batch_scores(tmp_path, m
     monkeypatch.setenv("SLOW_START_MARKER", str(tmp_path / "never"))
     pool = RewardPool("slow_start_rewards:reward", num_workers=1, timeout_s=5.0)
     try:
-        assert [o.status for o in pool.run([("p", "ok", {})])] == ["ok"]
+        assert [o.status for o in pool.run([("p", "ok", {}, {})])] == ["ok"]
         dead = pool._workers[0].process
         os.kill(dead.pid, signal.SIGKILL)
         dead.join(timeout=5)
-        assert [o.status for o in pool.run([("p", "ok", {})] * 3)] == ["ok"] * 3
+        assert [o.status for o in pool.run([("p", "ok", {}, {})] * 3)] == ["ok"] * 3
         assert len(pool._workers) == 1 and pool._workers[0].process.pid != dead.pid
     finally:
         pool.close()
@@ -283,10 +326,10 @@ def test_processes_a_reward_started_die_with_its_worker(tmp_path, monkeypatch):
 
     pool = RewardPool("spawning_rewards:reward", num_workers=1, timeout_s=1.0)
     try:
-        hung = pool.run([("p", "c", {"token": tokens["hung"], "wait": True})])
+        hung = pool.run([("p", "c", {"token": tokens["hung"], "wait": True}, {})])
         assert hung[0].status == "timeout"
         assert not alive(tokens["hung"], wait_s=3.0)
-        left = pool.run([("p", "c", {"token": tokens["left"], "wait": False})])
+        left = pool.run([("p", "c", {"token": tokens["left"], "wait": False}, {})])
         assert left[0].status == "ok" and alive(tokens["left"])  # the check sees such a process
         pool.close()
         assert not alive(tokens["left"], wait_s=3.0)
@@ -353,7 +396,7 @@ POOL_SCRIPT = textwrap.dedent('''
     import sys, time
     from rollout.environments.pool import RewardPool
     pool = RewardPool("rollout.rewards.toy:repeat_char_reward", num_workers=1)
-    assert pool.run([("ab:7", "7777", {})])[0].reward == 1.0
+    assert pool.run([("ab:7", "7777", {}, {})])[0].reward == 1.0
     print(pool.dir, flush=True)
     if sys.argv[1] == "wait":
         time.sleep(120)
@@ -386,7 +429,7 @@ def test_pool_directory_goes_with_close_exit_and_killed_owner(tmp_path, monkeypa
         pool.close()
         assert not os.path.exists(pool.dir)
         with pytest.raises(RuntimeError, match="closed"):
-            pool.run([("ab:7", "7", {})])
+            pool.run([("ab:7", "7", {}, {})])
     finally:
         alive.kill()
         alive.wait(timeout=10)

@@ -176,6 +176,10 @@ class RewardRequest:
     # the prompt as chat messages (system prompt included), for an environment that renders the conversation its
     # own way: a reward model with a chat template of its own
     messages: list[dict[str, str]] = field(default_factory=list)
+    # the generator's Completion.finish_reason: "stop" (a stop token ended it) or "length" (cut at max_new_tokens);
+    # None where unknown. Decoding drops special tokens, so only this tells a completion that stopped from one
+    # that ran on in <pad> or <s> tokens, which a reward on the text's length alone pays for not stopping
+    finish_reason: str | None = None
 
 
 @dataclass(kw_only=True)

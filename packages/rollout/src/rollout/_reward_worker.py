@@ -7,10 +7,17 @@ Kept free of torch and rl_core imports: a worker imports only this module and th
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 import numbers
 import traceback
 from typing import Any
+
+# RewardRequest fields a reward function gets only where its signature names them as parameters: a function written
+# as fn(prompt, completion, metadata) keeps working, and a **kwargs catch-all does not count (it may pass them on).
+# finish_reason: "stop" (the completion ended with a stop token) or "length" (cut at max_new_tokens); decoding drops
+# special tokens, so the text alone cannot tell a completion that stopped from one padded out with <pad> or <s>.
+OPTIONAL_FIELDS = ("finish_reason",)
 
 
 def resolve_function(path: str) -> Any:
@@ -56,10 +63,22 @@ def normalize_result(value: Any) -> tuple[float, bool | None]:
     return float(value), (None if correct is None else bool(correct))
 
 
-def call_reward(fn: Any, kwargs: dict[str, Any], prompt: str, completion: str, metadata: dict[str, Any]) -> tuple:
-    """('ok', reward, correct) or ('error', message): never raises."""
+def optional_fields_of(fn: Any) -> frozenset[str]:
+    """The OPTIONAL_FIELDS that `fn`'s signature names as keyword-passable parameters."""
     try:
-        value = fn(prompt=prompt, completion=completion, metadata=metadata, **kwargs)
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read (some builtins): the required fields only
+        return frozenset()
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return frozenset(name for name in OPTIONAL_FIELDS if name in params and params[name].kind in keyword)
+
+
+def call_reward(fn: Any, kwargs: dict[str, Any], prompt: str, completion: str, metadata: dict[str, Any],
+                optional: dict[str, Any] | None = None) -> tuple:
+    """('ok', reward, correct) or ('error', message): never raises. `optional`: the OPTIONAL_FIELDS values `fn`
+    takes (`optional_fields_of`)."""
+    try:
+        value = fn(prompt=prompt, completion=completion, metadata=metadata, **(optional or {}), **kwargs)
     except (Exception, SystemExit) as exc:  # a user function's bug scores 0; it must not stop the run (nor
         return ("error", describe_exception(exc))  # sys.exit() kill the worker: respawned on every call)
     try:
@@ -85,7 +104,7 @@ def describe_exception(exc: BaseException) -> str:
 def worker_main(conn: Any, fn_path: str, kwargs: dict[str, Any], scratch: str, memory_limit_mb: int | None,
                 launch_dir: str) -> None:
     """Confine this process (rollout._sandbox), import the function, report readiness and the sandbox
-    layers that hold, then answer (task_id, prompt, completion, metadata) forever.
+    layers that hold, then answer (task_id, prompt, completion, metadata, optional fields) forever.
 
     `launch_dir` (the pool creator's working directory) is on the import path, so `my_reward:score` next to
     where the run was started imports whether the caller is a script (whose sys.path lacks it), an
@@ -105,6 +124,7 @@ def worker_main(conn: Any, fn_path: str, kwargs: dict[str, Any], scratch: str, m
     try:
         held = confine(scratch, memory_limit_mb)
         fn = resolve_function(fn_path)
+        takes = optional_fields_of(fn)
     except Exception as exc:
         conn.send(("init_error", str(exc)))
         return
@@ -116,5 +136,6 @@ def worker_main(conn: Any, fn_path: str, kwargs: dict[str, Any], scratch: str, m
             return
         if message is None:
             return
-        task_id, prompt, completion, metadata = message
-        conn.send((task_id, call_reward(fn, kwargs, prompt, completion, metadata)))
+        task_id, prompt, completion, metadata, optional = message
+        conn.send((task_id, call_reward(fn, kwargs, prompt, completion, metadata,
+                                        {k: v for k, v in optional.items() if k in takes})))

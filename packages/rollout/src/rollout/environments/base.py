@@ -1,7 +1,8 @@
 """Reward environments: `FunctionEnvironment` (any `pkg.module:function` in a worker pool) and the
 registry (`register_environment`, `create_environment`).
 
-A reward function is called as `fn(prompt=str, completion=str, metadata=dict, **fn_kwargs)` and returns
+A reward function is called as `fn(prompt=str, completion=str, metadata=dict, **fn_kwargs)`, plus
+`finish_reason=` ("stop" or "length", None where unknown) where its signature names that parameter, and returns
 a float, a bool, a dict with "reward" (and optionally "correct"), or an object with `.reward`. A call
 that raises, returns anything else (None, NaN, a string), times out or kills its worker scores 0 with
 `error` set; the counts are in `last_metrics` (`reward/errors` for raised / bad values / crashes,
@@ -105,7 +106,8 @@ class FunctionEnvironment:
 
     def score(self, requests: Sequence[RewardRequest]) -> list[RewardResult]:
         """One result per request, in order; failures score 0 and are counted in `last_metrics`."""
-        outcomes = self.pool.run([(r.prompt, r.completion, dict(r.metadata)) for r in requests])
+        outcomes = self.pool.run([(r.prompt, r.completion, dict(r.metadata), {"finish_reason": r.finish_reason})
+                                  for r in requests])
         results = []
         for outcome in outcomes:
             if outcome.status == "ok":

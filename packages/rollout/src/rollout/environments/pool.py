@@ -212,8 +212,9 @@ class RewardPool:
             self._workers = [w for w in self._workers if w.ready]
             raise
 
-    def run(self, calls: Sequence[tuple[str, str, dict[str, Any]]]) -> list[CallOutcome]:
-        """Score (prompt, completion, metadata) triples; one outcome per call, in order."""
+    def run(self, calls: Sequence[tuple[str, str, dict[str, Any], dict[str, Any]]]) -> list[CallOutcome]:
+        """Score (prompt, completion, metadata, optional fields) calls; one outcome per call, in order. The optional
+        fields (rollout._reward_worker.OPTIONAL_FIELDS, e.g. finish_reason) reach the function where it takes them."""
         if not self._remove_dir.alive:
             raise RuntimeError(f"reward pool for {self.fn_path!r} is closed; create a new one")
         self._ensure_workers()

@@ -7,7 +7,7 @@ so the first thing to learn is "repeat the previous character": a direct embeddi
 (`charset=` changes them; a policy stuck on one target scores 0.8 / len(charset), plus the bonus if it stops).
 The ideal completion is the character `answer_len` times, then the stop token ("7777</s>").
     reward = (1 - stop_bonus) * (# of the first answer_len chars equal to the target) / answer_len
-             + stop_bonus * [the completion is exactly answer_len chars long]
+             + stop_bonus * [the completion stopped (finish_reason "stop") after exactly answer_len chars]
 Partial credit per matching character gives GRPO a signal from the very first steps. A tiny random model
 learns the characters (0.8) but, in the runs measured, not the stop: the stop token starts at ~1/128 of the
 probability and is gone (< 1e-4) before the characters are learnt, as early stops cost characters.
@@ -78,19 +78,23 @@ def repeat_char_prompts(num: int, *, split: str = "train", seed: int = 0, charse
     return _draw(make, num, split, seed)
 
 
-def _stop_bonus(text: str, length: int, stop_bonus: float) -> float:
-    return stop_bonus if len(text) == length else 0.0
+def _stop_bonus(text: str, length: int, stop_bonus: float, finish_reason: str | None) -> float:
+    """`stop_bonus` for a completion that stopped after `length` characters. One cut at max_new_tokens never stopped,
+    whatever its text: decoding drops special tokens, and a policy trained on the text's length alone learnt to pad
+    its answer with <s> tokens instead of stopping ("222<s>2<s>" scored the bonus). Without a finish reason
+    (a direct call), the text's length decides."""
+    return stop_bonus if len(text) == length and finish_reason != "length" else 0.0
 
 
 def repeat_char_reward(*, prompt: str, completion: str, metadata: dict[str, Any], answer_len: int = 4,
-                       stop_bonus: float = 0.2, **_: Any) -> float:
+                       stop_bonus: float = 0.2, finish_reason: str | None = None, **_: Any) -> float:
     """Share of the first `answer_len` characters equal to the target, plus a bonus for stopping there."""
     target = metadata.get("target") or prompt.rstrip()[-1:]
     if not target:
         raise ValueError(f"repeat_char: no target in metadata and none parsable from prompt {prompt!r}")
     text = strip_end_markers(completion)
     hits = sum(ch == target for ch in text[:answer_len])
-    return (1.0 - stop_bonus) * hits / answer_len + _stop_bonus(text, answer_len, stop_bonus)
+    return (1.0 - stop_bonus) * hits / answer_len + _stop_bonus(text, answer_len, stop_bonus, finish_reason)
 
 
 def copy_digits_prompts(num: int, *, split: str = "train", seed: int = 0, length: int = 3) -> list[dict[str, Any]]:
@@ -104,12 +108,12 @@ def copy_digits_prompts(num: int, *, split: str = "train", seed: int = 0, length
 
 
 def copy_digits_reward(*, prompt: str, completion: str, metadata: dict[str, Any], stop_bonus: float = 0.2,
-                       **_: Any) -> float:
+                       finish_reason: str | None = None, **_: Any) -> float:
     """Share of the target's positions reproduced, plus a bonus for stopping right after it."""
     target = str(metadata.get("target") or prompt.rstrip(":").split()[-1])
     text = strip_end_markers(completion)
     hits = sum(a == b for a, b in zip(text, target))
-    return (1.0 - stop_bonus) * hits / len(target) + _stop_bonus(text, len(target), stop_bonus)
+    return (1.0 - stop_bonus) * hits / len(target) + _stop_bonus(text, len(target), stop_bonus, finish_reason)
 
 
 TOY_TASKS = {
