@@ -51,7 +51,9 @@ def test_greedy_eval_scores_what_hf_generate_scores(tmp_path, capsys, monkeypatc
         with torch.no_grad():
             generated = model.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:]
         texts.append(tokenizer.decode(generated, skip_special_tokens=True))
-        rewards.append(float(repeat_char_reward(prompt=p.prompt, completion=texts[-1], metadata=p.metadata)))
+        stopped = tokenizer.eos_token_id in generated.tolist()  # else cut at max_new_tokens
+        rewards.append(float(repeat_char_reward(prompt=p.prompt, completion=texts[-1], metadata=p.metadata,
+                                                finish_reason="stop" if stopped else "length")))
     assert [r["completion"] for r in records] == texts
     assert [r["reward"] for r in records] == pytest.approx(rewards)
     assert summary["eval/reward_mean"] == pytest.approx(sum(rewards) / len(rewards))

@@ -30,10 +30,10 @@ from rl_core.config import to_dict
 from rl_core.testing.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[3]
-# answer_len = max_new_tokens: the random model's completions of 8 one-character tokens earn the length bonus and
-# those with a special or <extra_*> token do not, so the one step has advantages to train on (its characters
-# alone rarely match: the 16 completions of 4 x 4 could all score 0, and then the step changes nothing)
-RUN = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "policy.train_global_batch_size=16",
+# 4 x 16 completions of 8 tokens: the random model draws the target character (p ~1/128 a token) a few times, so the
+# one step has advantages to train on (as tests/test_grpo_e2e.py's SMALL; 4 x 4 could all score 0, and then the
+# step changes nothing)
+RUN = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=16", "policy.train_global_batch_size=64",
        "policy.train_micro_batch_size=8", "grpo.num_val_prompts=8", "generation.max_new_tokens=8", "env.kwargs.answer_len=8",
        "logger.tensorboard=false", "logger.progress_bar=false", "logger.plot=false", "grpo.max_steps=1",
        "grpo.val_every=0"]
