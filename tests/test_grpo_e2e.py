@@ -151,6 +151,25 @@ def test_vllm_top_k_top_p_logprobs_agree_with_the_trainers(tmp_path):
         assert record["train/token_mult_prob_error"] < 1 + 1e-3, record  # as without truncation (test above)
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_in_a_generation_worker_of_its_own_takes_the_refit_as_tensors(tmp_path, monkeypatch):
+    """`generation.backend=vllm` in generation workers of their own (in_policy_workers=false, refit over the gloo
+    group; NCCL on GPUs). vLLM's default puts its engine core in a process of its own, where a refit is a host copy
+    of every weight through a file in /dev/shm each step; the worker runs it in its own process instead (one device),
+    and the tensors it receives go straight to the model. As a user's environment would, this run does not set
+    VLLM_ENABLE_V1_MULTIPROCESSING (the vllm lane exports it)."""
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    records = run_grpo(tmp_path / "run", "grpo.max_steps=3", "grpo.val_every=0", "checkpointing.enabled=false",
+                       "env.num_workers=0", "generation.backend=vllm", "generation.in_policy_workers=false")
+    steps = train_records(records)
+    assert sorted(steps) == [0, 1, 2]
+    for record in steps.values():  # every refit arrived: vLLM sampled with the trainer's weights
+        assert record["train/token_mult_prob_error"] < 1 + 1e-3, record
+    log = (tmp_path / "run.log").read_text()
+    assert "refit via tensors" in log and "refit via path" not in log, log[-3000:]
+
+
 @pytest.mark.slow
 def test_async_run_killed_after_step_3_and_resumed_reproduces_steps_4_to_6(tmp_path):
     """With grpo.async_rollouts the step-3 checkpoint also holds step 4's groups, sampled before the kill by the

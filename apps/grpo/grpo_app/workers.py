@@ -61,6 +61,11 @@ class GeneratorHost:
             # vLLM inside a policy rank: its engine core must run in this process (no engine subprocess), on
             # the rank's torch.distributed world (RANK/WORLD_SIZE/LOCAL_RANK are already set)
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        elif int(backend_kwargs.get("tensor_parallel_size", 1)) == 1:
+            # vLLM on this worker's one device: its engine core in this process too, so a refit hands the tensors
+            # it receives straight to the model (rollout.vllm_backend), not a host copy of every weight through a
+            # file in /dev/shm each step (a container's /dev/shm is often 64 MB). An exported variable still wins.
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
         self.backend = create_generation_backend(backend, model_path=model_path, **backend_kwargs)
 

