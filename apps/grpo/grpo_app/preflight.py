@@ -396,7 +396,12 @@ def check_environment(cfg: GRPOConfig, *, training: bool = True) -> None:
     from rollout.rewards.toy import TOY_TASKS
 
     if cfg.env.name not in environment_names():
-        raise ConfigError(f"env.name={cfg.env.name!r} is not known; choose one of {environment_names()}")
+        near = closest_key(cfg.env.name, environment_names())
+        hint = (f"; did you mean env.name={near}?" if near else
+                f". env.name is how completions are scored; prompts come from env.train_data: a dataset such as "
+                f"{cfg.env.name!r}, if it holds math problems, trains with env.name=math env.train_data={cfg.env.name} "
+                "(apps/grpo/README.md, 'Prompts from the Hugging Face Hub')")
+        raise ConfigError(f"env.name={cfg.env.name!r} is not known; choose one of {environment_names()}{hint}")
     check_kwargs(environment_factory(cfg.env.name), cfg.env.kwargs, "env.kwargs")
     pool_options = {key: cfg.env.kwargs[key] for key in ("num_workers", "timeout_s", "memory_limit_mb")
                     if key in cfg.env.kwargs}

@@ -72,6 +72,10 @@ def test_empty_and_malformed_datasets(caplog, tmp_path):
 def test_unknown_environment_and_backend(caplog):
     code, text = run_main(caplog, "env.name=chess")
     assert code == 2 and "env.name='chess' is not known" in text
+    code, text = run_main(caplog, "env.name=repeat_chars")  # a typo: the closest environment
+    assert code == 2 and "did you mean env.name=repeat_char?" in text
+    code, text = run_main(caplog, "env.name=gsm8k")  # a dataset given as the environment: where datasets go
+    assert code == 2 and "trains with env.name=math env.train_data=gsm8k" in text
     code, text = run_main(caplog, "generation.backend=sglang")
     assert code == 2 and "generation.backend" in text and "'sglang' is not registered" in text
 
