@@ -27,7 +27,9 @@ from grpo_app.prompts import PromptSource
 from rl_core.checkpoint_io import (
     MANIFEST_FILE,
     CheckpointError,
+    DiskFullError,
     atomic_dir,
+    format_bytes,
     recover_publish,
     verify_manifest,
     write_manifest,
@@ -89,19 +91,34 @@ class CheckpointManager:
         for stale in self.root.glob(".step_*.tmp-*"):  # what a killed save left behind
             shutil.rmtree(stale, ignore_errors=True)
         state = {**state, "checkpoint_metric_name": self.metric}  # a score means nothing without its metric
-        with atomic_dir(final) as tmp:
-            save_engine(str(tmp / POLICY_DIR))
-            if save_hf is not None:
-                save_hf(str(tmp / HF_DIR))
-            (tmp / STATE_FILE).write_text(json.dumps(state, indent=1, allow_nan=False))
-            for name, data in (files or {}).items():
-                (tmp / name).write_bytes(data)
-            write_manifest(tmp)
-            if before_publish is not None:
-                before_publish()
+        try:
+            with atomic_dir(final) as tmp:
+                save_engine(str(tmp / POLICY_DIR))
+                if save_hf is not None:
+                    save_hf(str(tmp / HF_DIR))
+                (tmp / STATE_FILE).write_text(json.dumps(state, indent=1, allow_nan=False))
+                for name, data in (files or {}).items():
+                    (tmp / name).write_bytes(data)
+                write_manifest(tmp)
+                if before_publish is not None:
+                    before_publish()
+        except DiskFullError as exc:
+            raise DiskFullError(f"checkpoint {final}: {exc}. {self._room_needed()}") from exc.__cause__
         logger.info("checkpoint saved: %s", final)
         self._prune(saved=step)
         return final
+
+    def _room_needed(self) -> str:
+        """What a checkpoint takes (the newest one's size, where there is one) and the ways to make room."""
+        steps = self.steps()
+        hint = "Free space there, lower checkpointing.keep_top_k, or set checkpointing.dir to a larger disk"
+        if not steps:
+            return hint
+        newest = self.root / f"step_{steps[-1]}"
+        size = sum(f.stat().st_size for f in newest.rglob("*") if f.is_file())
+        return (f"Each checkpoint takes about {format_bytes(size)} ({newest.name}), and as one is written up to "
+                f"checkpointing.keep_top_k + 2 = {self.keep_top_k + 2} are on the disk (the best, the latest, the new "
+                f"one). {hint}")
 
     def load_state(self, path: Path) -> dict[str, Any]:
         file = path / STATE_FILE

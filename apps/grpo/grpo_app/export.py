@@ -25,7 +25,7 @@ from grpo_app import program_name
 from grpo_app.checkpoint import POLICY_DIR, STATE_FILE, CheckpointManager, run_identity
 from grpo_app.config import GRPOConfig, load_config
 from grpo_app.preflight import resolve_model
-from rl_core.checkpoint_io import verify_manifest
+from rl_core.checkpoint_io import DiskFullError, verify_manifest
 from rl_core.config import ConfigError
 from rl_core.interfaces import ExportsCheckpoint
 from rl_core.registry import ENGINES
@@ -167,7 +167,7 @@ def main(argv: list[str]) -> int:
     try:
         plan, cfg = plan_export(Path(args.path), args.config, args.out)
         export(plan, cfg, args.base_model)
-    except (ConfigError, FileNotFoundError, ValueError) as exc:  # CheckpointError is a ValueError
+    except (ConfigError, FileNotFoundError, ValueError, DiskFullError) as exc:  # CheckpointError is a ValueError
         logger.error("%s", exc)
         return 2
     except KeyboardInterrupt:  # one line, as the trainer and eval: the converters publish the directory whole

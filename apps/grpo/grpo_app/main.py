@@ -27,6 +27,7 @@ from grpo_app.checkpoint import DamagedOnLoad, ResumePoint, check_prompts
 from grpo_app.config import GRPOConfig, load_config
 from grpo_app.preflight import preflight
 from grpo_app.run_lock import hold_run_dir
+from rl_core.checkpoint_io import DiskFullError
 from rl_core.config import ConfigError, to_dict
 from rollout.environments.base import RewardFailureError
 
@@ -202,7 +203,7 @@ def _train(cfg: GRPOConfig, inputs: RunInputs, resume_point: ResumePoint | None)
     except ConfigError as exc:  # found only once Ray runs (e.g. cluster.address answers but is no Ray)
         logger.error("%s", exc)
         return 2
-    except RewardFailureError as exc:  # the reward function is broken: one line, not a Ray traceback
+    except (RewardFailureError, DiskFullError) as exc:  # a broken reward function, a full disk: one line
         logger.error("run stopped: %s%s", exc, _resume_hint(cfg))
         return 1
     except ray.exceptions.RayError as exc:  # an actor raised or died: its own traceback, then one line naming it

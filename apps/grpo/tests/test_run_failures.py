@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import textwrap
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,8 @@ from ray.core.generated.common_pb2 import ActorDiedErrorContext
 
 import grpo_app.main as cli
 from grpo_app import cluster
+from grpo_app.checkpoint import CheckpointManager
+from rl_core.checkpoint_io import DiskFullError
 from rollout.environments import RewardFailureError
 
 APP = Path(__file__).resolve().parents[1]  # apps/grpo: `python apps/grpo` runs the trainer
@@ -118,6 +122,37 @@ def test_a_broken_reward_function_stops_the_run_with_the_same_line(stopped_run, 
     assert code == 1
     assert line == ("run stopped: 16 of 16 reward calls failed; the same command resumes from "
                     f"{tmp_path}/run/checkpoints/step_4")
+
+
+def test_a_checkpoint_that_fills_the_disk_stops_the_run_with_one_line_naming_it(stopped_run, tmp_path, monkeypatch):
+    """A checkpoint save on a full disk: the line names the disk, what a checkpoint takes and the ways to make room,
+    instead of torch's 'unexpected pos 704 vs 598' from a worker's traceback; nothing of the new one is left."""
+    root = tmp_path / "elsewhere/checkpoints"  # checkpointing.dir: not the run's, where stopped_run has its own
+    manager = CheckpointManager(root, keep_top_k=2, metric="val/reward_mean", higher_is_better=True)
+    manager.save(4, lambda path: (Path(path).mkdir(), (Path(path) / "model.pt").write_bytes(b"w" * 3 * 2**20)),
+                 {"step": 4})
+
+    def save_engine(path: str) -> None:  # what a policy rank's save does on a full disk
+        Path(path).mkdir()
+        (Path(path) / "model.pt").write_bytes(b"partial")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    def disk_usage(path):  # full while the partial files hold the space
+        return types.SimpleNamespace(total=2**30, free=4096 if any(root.glob(".step_6.tmp-*/*/*")) else 2**29)
+
+    monkeypatch.setattr(shutil, "disk_usage", disk_usage)
+    with pytest.raises(DiskFullError) as caught:
+        manager.save(6, save_engine, {"step": 6})
+    assert manager.steps() == [4] and not list(root.glob(".step_6*"))
+    monkeypatch.undo()
+    code, line = stopped_run(caught.value)
+    assert code == 1
+    assert line == (f"run stopped: checkpoint {root}/step_6: no space left on the filesystem of {root} (0.0 MiB free "
+                    "of 1.0 GiB) while step_6 was written (RuntimeError): nothing was published, and the partial files "
+                    "are removed. Each checkpoint takes about 3.0 MiB (step_4), and as one is written up to "
+                    "checkpointing.keep_top_k + 2 = 4 are on the disk (the best, the latest, the new one). Free space "
+                    "there, lower checkpointing.keep_top_k, or set checkpointing.dir to a larger disk; the same command "
+                    f"resumes from {tmp_path}/run/checkpoints/step_4")
 
 
 def test_an_unexpected_error_ends_with_its_traceback_and_the_same_line(stopped_run, tmp_path, caplog):

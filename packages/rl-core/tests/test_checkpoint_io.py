@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import shutil
+import types
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,7 @@ import torch
 
 from rl_core.checkpoint_io import (
     CheckpointError,
+    DiskFullError,
     atomic_dir,
     atomic_write_text,
     changed_settings,
@@ -171,6 +174,27 @@ def test_atomic_dir_publishes_whole_or_nothing(tmp_path):
     assert (tmp_path / "out/a").read_text() == "1" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     atomic_write_text(tmp_path / "f.txt", "x")
     assert (tmp_path / "f.txt").read_text() == "x" and len(list(tmp_path.iterdir())) == 2
+
+
+def test_a_write_that_fills_the_disk_says_so_and_leaves_nothing(tmp_path, monkeypatch):
+    """torch.save on a full disk raises "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
+    (seen on a 3 MiB tmpfs), which names no disk. The filesystem is read while the partial files still fill it:
+    removed first, their space would look free."""
+    def disk_usage(path):  # full while the partial write holds the space, as a real filesystem would be
+        partial = any(tmp_path.glob(".step_3.tmp-*/*"))
+        return types.SimpleNamespace(total=2**30, free=4096 if partial else 2**29)
+
+    monkeypatch.setattr(shutil, "disk_usage", disk_usage)
+    torch_error = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    with pytest.raises(DiskFullError, match=rf"no space left on the filesystem of {tmp_path} \(0.0 MiB free of 1.0 GiB\) "
+                                            r"while step_3 was written \(RuntimeError\)") as caught:
+        with atomic_dir(tmp_path / "step_3") as tmp:
+            (tmp / "model.pt").write_bytes(b"partial")
+            raise torch_error
+    assert caught.value.__cause__ is torch_error and list(tmp_path.iterdir()) == []
+    with pytest.raises(RuntimeError, match="unexpected pos"), atomic_dir(tmp_path / "step_3"):
+        raise torch_error  # nothing written, room left: not the disk, the error as it was
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_changed_settings_names_each_optimizer_setting_a_resume_changes():

@@ -7,6 +7,7 @@
   manifest's checksum (verified recursively), so an engine checkpoint inside a run checkpoint is hashed
   once. `*_on_all_ranks`: every rank of a process group hashes a share of the files. Verifying before loading is what keeps a damaged file from being read, and what protects
   torch's DCP reader, which unpickles `.metadata`: a checkpoint from elsewhere is code, trust it as such.
+- `DiskFullError`: what an `atomic_dir` write that ran out of space raises (torch's own error hides it).
 - `recover_publish`: after a crash inside a replacing `publish_dir`, the previous version back in place.
 - `rng_state` / `set_rng_state`: torch (CPU, CUDA) and Python RNG as tensors and plain types.
 - `changed_settings`: what a resumed run's optimizer config changes from its checkpoint's (for the log).
@@ -36,6 +37,25 @@ _CHUNK = 1 << 20
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing, damaged or unsafe to load; the message names the file."""
+
+
+class DiskFullError(OSError):
+    """An `atomic_dir` write failed with its filesystem full. torch hides the ENOSPC of its writers (torch.save:
+    "[enforce fail at inline_container.cc] unexpected pos 704 vs 598"), so the free space is what tells."""
+
+
+def _filesystem_full(path: str | os.PathLike) -> str | None:
+    """'<free> free of <total>' where the filesystem of `path` has (almost) no room left, else None: less free
+    than 1% of it, capped at 64 MiB (a write that ran out of space has filled it to the last blocks)."""
+    usage = shutil.disk_usage(path)
+    if usage.free >= min(64 * 2**20, usage.total // 100):
+        return None
+    return f"{format_bytes(usage.free)} free of {format_bytes(usage.total)}"
+
+
+def format_bytes(n: float) -> str:
+    """`n` bytes in GiB, or in MiB below 1 GiB."""
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def fsync_dir(path: Path) -> None:
@@ -132,8 +152,9 @@ def recover_publish(final: str | os.PathLike) -> None:
 @contextlib.contextmanager
 def atomic_dir(final: str | os.PathLike, *, replace: bool = True) -> Iterator[Path]:
     """A fresh temporary sibling of `final` to fill; published as `final` on success (`replace`: see
-    `publish_dir`), removed on error. It gets the mode a plain mkdir would give (mkdtemp's is 0700: an exported
-    model that a vLLM server run by another user could not read)."""
+    `publish_dir`), removed on error: `DiskFullError` (the original error its cause) where the filesystem was full
+    as it failed. It gets the mode a plain mkdir would give (mkdtemp's is 0700: an exported model that a vLLM server
+    run by another user could not read)."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-"))
@@ -141,6 +162,13 @@ def atomic_dir(final: str | os.PathLike, *, replace: bool = True) -> Iterator[Pa
     try:
         yield tmp
         publish_dir(tmp, final, replace=replace)
+    except Exception as exc:
+        full = _filesystem_full(final.parent)  # before the partial files go, or the space they hold looks free
+        if full is None:
+            raise
+        raise DiskFullError(f"no space left on the filesystem of {final.parent} ({full}) while {final.name} was "
+                            f"written ({type(exc).__name__}): nothing was published, and the partial files are "
+                            "removed") from exc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
