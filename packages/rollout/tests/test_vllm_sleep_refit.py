@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import shutil
+import signal
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -162,3 +165,54 @@ def test_the_refit_file_goes_where_there_is_room_for_it(monkeypatch, tmp_path, c
     caplog.clear()
     assert refit_dir_root(2**30, (str(tmp_path / "absent"), str(disk))) == str(disk)  # no /dev/shm: no warning
     assert not caplog.text
+
+
+REFIT_IN_A_PROCESS = """
+import os, signal, sys, types
+import torch
+sys.modules["vllm"] = types.SimpleNamespace(LLM=lambda **kw: types.SimpleNamespace(
+    collective_rpc=lambda *a, **k: None, reset_prefix_cache=lambda: None,
+    model_config=types.SimpleNamespace(hf_text_config=types.SimpleNamespace(tie_word_embeddings=False))))
+sys.modules["vllm.platforms"] = types.SimpleNamespace(current_platform=types.SimpleNamespace(is_cpu=lambda: False))
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # vLLM's default: the refit goes through a file
+import tempfile
+tempfile.tempdir = sys.argv[1]
+from rollout import vllm_backend
+vllm_backend.refit_dir_root = lambda nbytes: None  # the temp directory (here: the test's), not /dev/shm
+backend = vllm_backend.VLLMGenerationBackend(sys.argv[1])
+backend.update_weights([("w", torch.ones(4))])
+print(backend._refit_dir, flush=True)
+if sys.argv[2] == "killed":
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_refit_file_does_not_outlive_its_process(tmp_path):
+    """The refit's safetensors file (model-sized, in /dev/shm) goes when its process exits, and when the process was
+    killed (SIGKILL, the OOM killer, ray.kill: no exit hook runs), the next refit on the machine removes it. Before,
+    a __del__ removed it, which did not run at exit either: a tiny model's file was found in /dev/shm after its run."""
+    def refit(how: str) -> tuple[int, Path]:
+        proc = subprocess.run([sys.executable, "-c", REFIT_IN_A_PROCESS, str(tmp_path), how], capture_output=True,
+                              text=True, timeout=120)
+        return proc.returncode, Path(proc.stdout.strip().splitlines()[-1])
+
+    code, exited = refit("exits")
+    assert code == 0 and exited.parent == tmp_path and not exited.exists()
+    code, killed = refit("killed")
+    assert code == -signal.SIGKILL and (killed / "model.safetensors").is_file()
+    code, survivor = refit("killed")  # its first refit removed the killed process's directory
+    assert not killed.exists() and survivor.exists()
+
+
+def test_only_refit_dirs_of_gone_processes_of_this_pid_namespace_are_removed(tmp_path):
+    from rollout.vllm_backend import _pid_namespace, remove_stale_refit_dirs
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    ns = _pid_namespace()
+    names = {"gone": f"rollout-refit-{ns}-{gone}-abc", "alive": f"rollout-refit-{ns}-{os.getpid()}-abc",
+             "other_namespace": f"rollout-refit-{ns + 1}-{gone}-abc", "older_name": "rollout-refit-z4d14owv"}
+    for name in names.values():
+        (tmp_path / name).mkdir()
+    assert remove_stale_refit_dirs(tmp_path) == [tmp_path / names["gone"]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(n for k, n in names.items() if k != "gone")

@@ -36,6 +36,7 @@ import logging
 import os
 import shutil
 import tempfile
+import weakref
 from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -110,6 +111,47 @@ def check_complete(names: Iterable[str], shapes: dict[str, tuple[int, ...]], *, 
                        if loaded else "a partial one would leave uninitialised memory in the layers it touches")
         raise ValueError(f"update_weights: {len(missing)} weight(s) of {model_path} missing from the refit ({shown}); "
                          f"vLLM reloads whole layers, so a refit must send every weight ({consequence})")
+
+
+def _pid_namespace() -> int:
+    """The inode of this process's PID namespace (0 where /proc does not tell): PIDs mean something within it only."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _refit_dir_prefix(pid: int) -> str:
+    return f"rollout-refit-{_pid_namespace()}-{pid}-"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_refit_dirs(root: Path) -> list[Path]:
+    """Remove (and return) the refit directories under `root` whose process is gone: one killed (SIGKILL, the OOM
+    killer, ray.kill) runs no exit hook, and its model-sized file would hold shared memory until a reboot. Only
+    directories of this PID namespace: another container sharing /dev/shm (docker --ipc=host) numbers its own."""
+    namespace = _pid_namespace()
+    removed = []
+    for directory in root.glob("rollout-refit-*-*-*"):
+        fields = directory.name.split("-")
+        if not (fields[2].isdigit() and fields[3].isdigit()) or int(fields[2]) != namespace or not namespace:
+            continue
+        if not _alive(int(fields[3])):
+            shutil.rmtree(directory, ignore_errors=True)
+            removed.append(directory)
+    if removed:
+        logger.info("vllm refit: removed %d refit director%s of processes that are gone: %s", len(removed),
+                    "y" if len(removed) == 1 else "ies", ", ".join(str(d) for d in removed))
+    return removed
 
 
 _MASK64 = (1 << 64) - 1
@@ -372,7 +414,10 @@ class VLLMGenerationBackend:
 
         if self._refit_dir is None:  # every refit sends every weight: the size the first one needs, each needs
             root = refit_dir_root(sum(t.numel() * t.element_size() for _, t in named_tensors))
-            self._refit_dir = tempfile.mkdtemp(prefix="rollout-refit-", dir=root)
+            remove_stale_refit_dirs(Path(root or tempfile.gettempdir()))
+            self._refit_dir = tempfile.mkdtemp(prefix=_refit_dir_prefix(os.getpid()), dir=root)
+            # at the exit of this process too (a __del__ did not run there: the file stayed in /dev/shm)
+            weakref.finalize(self, shutil.rmtree, self._refit_dir, ignore_errors=True)
             for name in os.listdir(self.model_path):
                 if name.endswith(".json") or name.startswith("tokenizer"):
                     shutil.copy(Path(self.model_path) / name, self._refit_dir)
@@ -401,7 +446,3 @@ class VLLMGenerationBackend:
             self.llm.wake_up(tags=["kv_cache"] if self._weights_awake else None)
         self._sleeping = False
         self._weights_awake = True
-
-    def __del__(self) -> None:
-        if getattr(self, "_refit_dir", None):
-            shutil.rmtree(self._refit_dir, ignore_errors=True)
