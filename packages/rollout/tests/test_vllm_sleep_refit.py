@@ -175,10 +175,9 @@ sys.modules["vllm"] = types.SimpleNamespace(LLM=lambda **kw: types.SimpleNamespa
     model_config=types.SimpleNamespace(hf_text_config=types.SimpleNamespace(tie_word_embeddings=False))))
 sys.modules["vllm.platforms"] = types.SimpleNamespace(current_platform=types.SimpleNamespace(is_cpu=lambda: False))
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # vLLM's default: the refit goes through a file
-import tempfile
-tempfile.tempdir = sys.argv[1]
 from rollout import vllm_backend
-vllm_backend.refit_dir_root = lambda nbytes: None  # the temp directory (here: the test's), not /dev/shm
+vllm_backend.REFIT_DIR_ROOTS = (sys.argv[1],)  # the test's directory, not /dev/shm
+vllm_backend.refit_dir_root = lambda nbytes: sys.argv[1]
 backend = vllm_backend.VLLMGenerationBackend(sys.argv[1])
 backend.update_weights([("w", torch.ones(4))])
 print(backend._refit_dir, flush=True)

@@ -210,7 +210,11 @@ def worker_in_process(tensor_parallel_size: int, llm_kwargs: Mapping[str, Any]) 
         executor == "external_launcher" or (devices == 1 and executor in (None, "uni")))
 
 
-def refit_dir_root(nbytes: int, candidates: Sequence[str | None] = ("/dev/shm", None)) -> str | None:
+# where a refit file may go, in order: shared memory, then the temp directory (None)
+REFIT_DIR_ROOTS: tuple[str | None, ...] = ("/dev/shm", None)
+
+
+def refit_dir_root(nbytes: int, candidates: Sequence[str | None] = REFIT_DIR_ROOTS) -> str | None:
     """The first of `candidates` (None: the temp directory) with room for a refit file of `nbytes` (+1%); a
     warning when it is not the first; ValueError naming the sizes when none has room."""
     free: dict[str, int] = {}
@@ -413,8 +417,11 @@ class VLLMGenerationBackend:
         from safetensors.torch import save_file
 
         if self._refit_dir is None:  # every refit sends every weight: the size the first one needs, each needs
+            for candidate in REFIT_DIR_ROOTS:  # first: what a killed process left there is free space again
+                directory = Path(candidate or tempfile.gettempdir())
+                if directory.is_dir():
+                    remove_stale_refit_dirs(directory)
             root = refit_dir_root(sum(t.numel() * t.element_size() for _, t in named_tensors))
-            remove_stale_refit_dirs(Path(root or tempfile.gettempdir()))
             self._refit_dir = tempfile.mkdtemp(prefix=_refit_dir_prefix(os.getpid()), dir=root)
             # at the exit of this process too (a __del__ did not run there: the file stayed in /dev/shm)
             weakref.finalize(self, shutil.rmtree, self._refit_dir, ignore_errors=True)
