@@ -121,8 +121,8 @@ def _pid_namespace() -> int:
         return 0
 
 
-def _refit_dir_prefix(pid: int) -> str:
-    return f"rollout-refit-{_pid_namespace()}-{pid}-"
+def _refit_dir_prefix(namespace: int) -> str:
+    return f"rollout-refit-{namespace}-"
 
 
 def _alive(pid: int) -> bool:
@@ -140,12 +140,13 @@ def remove_stale_refit_dirs(root: Path) -> list[Path]:
     killer, ray.kill) runs no exit hook, and its model-sized file would hold shared memory until a reboot. Only
     directories of this PID namespace: another container sharing /dev/shm (docker --ipc=host) numbers its own."""
     namespace = _pid_namespace()
+    if not namespace:
+        return []
+    prefix = _refit_dir_prefix(namespace)
     removed = []
-    for directory in root.glob("rollout-refit-*-*-*"):
-        fields = directory.name.split("-")
-        if not (fields[2].isdigit() and fields[3].isdigit()) or int(fields[2]) != namespace or not namespace:
-            continue
-        if not _alive(int(fields[3])):
+    for directory in root.glob(f"{prefix}*-*"):  # <prefix><pid>-<mkdtemp's suffix>
+        pid = directory.name[len(prefix):].split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(directory, ignore_errors=True)
             removed.append(directory)
     if removed:
@@ -422,7 +423,7 @@ class VLLMGenerationBackend:
                 if directory.is_dir():
                     remove_stale_refit_dirs(directory)
             root = refit_dir_root(sum(t.numel() * t.element_size() for _, t in named_tensors))
-            self._refit_dir = tempfile.mkdtemp(prefix=_refit_dir_prefix(os.getpid()), dir=root)
+            self._refit_dir = tempfile.mkdtemp(prefix=f"{_refit_dir_prefix(_pid_namespace())}{os.getpid()}-", dir=root)
             # at the exit of this process too (a __del__ did not run there: the file stayed in /dev/shm)
             weakref.finalize(self, shutil.rmtree, self._refit_dir, ignore_errors=True)
             for name in os.listdir(self.model_path):
