@@ -149,6 +149,37 @@ class RolloutQueue:
 
 
 SAMPLED_AHEAD_FILE = "sampled_ahead.pkl"
+STALLED_STEPS = (10, 100, 1000)  # steps in a row without advantage that NoAdvantageLog warns about again
+
+
+@dataclass
+class NoAdvantageLog:
+    """Says when a step trains on nothing but the KL term, or on nothing (every group's completions scored alike: a
+    constant reward, a task too hard for the model, or one it now answers the same way every time); the metrics show
+    it only as rollout/advantages_abs_mean 0. Warned the first time in a run and when such steps come 10, 100, 1000
+    in a row (the run may have stalled); the summary counts them all. Not every time: the default run's converged
+    policy repeated the warning at 30 of its last 60 steps."""
+
+    warned: bool = False
+    since: int | None = None  # the first step of the run of such steps going on
+
+    def update(self, step: int, rewards: torch.Tensor, advantages: torch.Tensor, kl_coef: float) -> None:
+        if bool(advantages.any()):
+            self.since = None
+            return
+        self.since = step if self.since is None else self.since
+        trains_on = "nothing but the KL term" if kl_coef else "nothing (loss.kl_coef=0)"
+        in_a_row = step - self.since + 1
+        if not self.warned:
+            self.warned = True
+            logger.warning("step %d: every group's completions got the same reward (reward_mean %.4g): all advantages "
+                           "are 0, so this step trains on %s; if it persists, check the reward function and the "
+                           "task's difficulty (grpo.dynamic_sampling drops such groups). Later steps like it are "
+                           "counted in the summary, and said again when 10 come in a row", step,
+                           float(rewards.mean()), trains_on)
+        elif in_a_row in STALLED_STEPS:
+            logger.warning("steps %d-%d: %d in a row without advantage (reward_mean %.4g now), trained on %s: the run "
+                           "may have stalled", self.since, step, in_a_row, float(rewards.mean()), trains_on)
 
 
 @dataclass
@@ -164,6 +195,7 @@ class Run:
     checkpoints: CheckpointManager | None
     loss_fn: ClippedPGLoss
     rollouts: RolloutQueue = field(init=False)
+    no_advantage: NoAdvantageLog = field(default_factory=NoAdvantageLog)
 
     def __post_init__(self) -> None:
         self.rollouts = RolloutQueue(functools.partial(sample_step, self), ahead=self.cfg.grpo.async_rollouts,
@@ -304,7 +336,7 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
     advantages = grpo_advantages(rewards, group_ids, normalize_std=cfg.grpo.normalize_std,
                                  leave_one_out=cfg.grpo.leave_one_out, batch_normalize=cfg.grpo.batch_normalize,
                                  clip=cfg.grpo.advantage_clip)
-    warn_if_no_advantage(step, rewards, advantages, cfg.loss.kl_coef)
+    run.no_advantage.update(step, rewards, advantages, cfg.loss.kl_coef)
     batch = build_batch(prompts, completions, advantages, cfg.grpo.overlong_filtering)
     with timer("logprobs"):
         if not one_update_per_batch(run.cfg, len(batch)):  # else the loss takes prev from its own forward
@@ -327,17 +359,6 @@ def grpo_step(run: Run, step: int) -> dict[str, float]:
     if run.rollouts.ahead:
         metrics["rollout/sampled_ahead"] = float(sampled.ahead)
     return metrics
-
-
-def warn_if_no_advantage(step: int, rewards: torch.Tensor, advantages: torch.Tensor, kl_coef: float) -> None:
-    """Every group's completions scored alike (a constant reward, a task too hard or too easy for the model):
-    the advantages are 0 and the step trains on the KL term alone, or on nothing. Said in the log, as the metrics
-    show it only as rollout/advantages_abs_mean 0."""
-    if not bool(advantages.any()):
-        trains_on = "nothing but the KL term" if kl_coef else "nothing (loss.kl_coef=0)"
-        logger.warning("step %d: every group's completions got the same reward (reward_mean %.4g): all advantages "
-                       "are 0, so this step trains on %s; if it persists, check the reward function and the task's "
-                       "difficulty (grpo.dynamic_sampling drops such groups)", step, float(rewards.mean()), trains_on)
 
 
 def rollout_metrics(rewards, results, completions, lengths, timer: PhaseTimer) -> dict[str, float]:

@@ -177,9 +177,12 @@ class MetricsSink:
         lines = []
         if val:
             lines.append(f"validation reward: {val[0]:.3f} -> {val[-1]:.3f} ({val[-1] - val[0]:+.3f})")
-        lines.append(f"{'phase':<12} {'mean s/step':>12} {'share':>7}")
         _, per_record = self._phase_times()
         num_steps = max(1, sum(r.get("timing/step_s") is not None for r in self.history))
+        idle = self.steps_without_advantage()
+        if idle:
+            lines.append(self._without_advantage_line(idle, num_steps))
+        lines.append(f"{'phase':<12} {'mean s/step':>12} {'share':>7}")
         means = {phase: sum(t.get(phase, 0.0) for t in per_record) / num_steps for phase in (*PHASES, *OUTSIDE_STEP)
                  if any(phase in t for t in per_record)}
         total = sum(means.values()) or 1.0
@@ -202,6 +205,20 @@ class MetricsSink:
         if self.writer is not None:
             lines.append(f"TensorBoard: tensorboard --logdir {self.log_dir / 'tensorboard'}")
         return "\n".join(lines)
+
+    def steps_without_advantage(self) -> list[int]:
+        """The steps whose advantages were all 0 (rollout/advantages_abs_mean 0), in order."""
+        return [r["step"] for r in self.history if r.get("rollout/advantages_abs_mean") == 0.0]
+
+    def _without_advantage_line(self, idle: list[int], num_steps: int) -> str:
+        """How many steps had no advantage, and from which step on, where every one up to the last did."""
+        first = len(idle) - 1  # of the last run of consecutive steps
+        while first > 0 and idle[first - 1] == idle[first] - 1:
+            first -= 1
+        last_step = max(r["step"] for r in self.history if "rollout/advantages_abs_mean" in r)
+        tail = f", each one from step {idle[first]} on" if idle[-1] == last_step and first < len(idle) - 1 else ""
+        return (f"steps without advantage (every group's completions scored alike, so they trained on the KL term "
+                f"alone, if any): {len(idle)} of {num_steps}{tail}")
 
     def _phase_times(self) -> tuple[list[int], list[dict[str, float]]]:
         """The steps, and the seconds of each phase a step spent itself (not what ran beside the step before), with

@@ -484,21 +484,41 @@ def test_without_a_progress_bar_each_step_and_each_validation_is_a_log_line(tmp_
     assert lines[3] == f"validation at step 2 (2 prompts): val/reward_mean={records[2]['val/reward_mean']:.4g}"
 
 
-def test_a_step_whose_groups_all_scored_alike_is_warned_about(caplog):
-    """A constant reward trained on nothing for the whole run (exit 0, loss 0, grad norm 0) without a log line."""
+def test_steps_whose_groups_all_scored_alike_are_warned_about_once_and_when_ten_come_in_a_row(caplog):
+    """A constant reward trained on nothing for the whole run (exit 0, loss 0, grad norm 0) without a log line; then
+    the default run's converged policy repeated the warning at 30 of its last 60 steps (seed 2)."""
     from rl_core.advantages import grpo_advantages
 
-    rewards, groups = torch.tensor([0.5] * 4 + [1.0] * 4), torch.tensor([0] * 4 + [1] * 4)
-    with caplog.at_level(logging.WARNING, logger="grpo_app.loop"):
-        loop.warn_if_no_advantage(3, rewards, grpo_advantages(rewards, groups), kl_coef=0.0)
-        loop.warn_if_no_advantage(3, rewards, grpo_advantages(rewards, groups), kl_coef=0.01)
-    assert ("step 3: every group's completions got the same reward (reward_mean 0.75): all advantages are 0, so this "
-            "step trains on nothing (loss.kl_coef=0);") in caplog.text  # it said "but the KL term" with no KL term
-    assert "so this step trains on nothing but the KL term;" in caplog.text
+    groups = torch.tensor([0] * 4 + [1] * 4)
+    alike, differ = torch.tensor([0.5] * 4 + [1.0] * 4), torch.tensor([0.0] + [0.5] * 3 + [1.0] * 4)
+    # steps 1-3 and 5 alike (intermittent, as a converged policy's), then 7-26 alike: 10 in a row at step 16
+    rewards = [differ, alike, alike, alike, differ, alike, differ] + [alike] * 20
+    log = loop.NoAdvantageLog()
+    with caplog.at_level(logging.INFO, logger="grpo_app.loop"):
+        for step, step_rewards in enumerate(rewards):
+            log.update(step, step_rewards, grpo_advantages(step_rewards, groups), kl_coef=0.0)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and all(r.levelname == "WARNING" for r in caplog.records), lines
+    assert lines[0].startswith("step 1: every group's completions got the same reward (reward_mean 0.75): all "
+                               "advantages are 0, so this step trains on nothing (loss.kl_coef=0);")
+    assert lines[1] == ("steps 7-16: 10 in a row without advantage (reward_mean 0.75 now), trained on nothing "
+                        "(loss.kl_coef=0): the run may have stalled")
     caplog.clear()
-    rewards[0] = 0.0
-    loop.warn_if_no_advantage(4, rewards, grpo_advantages(rewards, groups), kl_coef=0.0)
-    assert not caplog.text
+    with caplog.at_level(logging.WARNING, logger="grpo_app.loop"):
+        loop.NoAdvantageLog().update(3, alike, grpo_advantages(alike, groups), kl_coef=0.01)
+    assert "so this step trains on nothing but the KL term;" in caplog.text  # not "(loss.kl_coef=0)"
+
+
+def test_the_summary_counts_the_steps_without_advantage(tmp_path):
+    sink = MetricsSink(tmp_path, tensorboard=False, resume_step=None)
+    for step in range(8):  # no advantage at steps 2 and 5-7: the run ended on a plateau that began at step 5
+        sink.log(step, {"rollout/advantages_abs_mean": 0.0 if step in (2, 5, 6, 7) else 0.3, "timing/step_s": 1.0})
+    assert sink.steps_without_advantage() == [2, 5, 6, 7]
+    line = ("steps without advantage (every group's completions scored alike, so they trained on the KL term alone, "
+            "if any): 4 of 8")
+    assert f"{line}, each one from step 5 on" in sink.summary().splitlines()
+    sink.log(8, {"rollout/advantages_abs_mean": 0.1, "timing/step_s": 1.0})  # the plateau ended before the run
+    assert line.replace("4 of 8", "4 of 9") in sink.summary().splitlines()
 
 
 class SlowValidationAndCheckpointWorkers(VersionedWorkers):
