@@ -181,7 +181,7 @@ def test_a_write_that_fills_the_disk_says_so_and_leaves_nothing(tmp_path, monkey
     (seen on a 3 MiB tmpfs), which names no disk. The filesystem is read while the partial files still fill it:
     removed first, their space would look free."""
     def disk_usage(path):  # full while the partial write holds the space, as a real filesystem would be
-        partial = any(tmp_path.glob(".step_3.tmp-*/*"))
+        partial = any(p.is_file() for p in tmp_path.glob(".step_3.tmp-*/**/*"))
         return types.SimpleNamespace(total=2**30, free=4096 if partial else 2**29)
 
     monkeypatch.setattr(shutil, "disk_usage", disk_usage)
@@ -192,6 +192,14 @@ def test_a_write_that_fills_the_disk_says_so_and_leaves_nothing(tmp_path, monkey
             (tmp / "model.pt").write_bytes(b"partial")
             raise torch_error
     assert caught.value.__cause__ is torch_error and list(tmp_path.iterdir()) == []
+    with pytest.raises(DiskFullError, match="while inner was written") as nested:  # said once, by the inner one
+        with atomic_dir(tmp_path / "step_3") as outer:
+            (outer / "state.json").write_text("{}")  # still filling the disk once the inner one removed its files
+            with atomic_dir(outer / "inner") as inner:
+                (inner / "model.pt").write_bytes(b"partial")
+                raise torch_error
+    assert "step_3 was written" not in str(nested.value)
+    assert nested.value.__cause__ is torch_error and list(tmp_path.iterdir()) == []
     with pytest.raises(RuntimeError, match="unexpected pos"), atomic_dir(tmp_path / "step_3"):
         raise torch_error  # nothing written, room left: not the disk, the error as it was
     assert list(tmp_path.iterdir()) == []

@@ -47,7 +47,10 @@ class DiskFullError(OSError):
 def _filesystem_full(path: str | os.PathLike) -> str | None:
     """'<free> free of <total>' where the filesystem of `path` has (almost) no room left, else None: less free
     than 1% of it, capped at 64 MiB (a write that ran out of space has filled it to the last blocks)."""
-    usage = shutil.disk_usage(path)
+    try:
+        usage = shutil.disk_usage(path)
+    except OSError:  # gone, or unreadable: nothing to tell, and the error being handled stays the one raised
+        return None
     if usage.free >= min(64 * 2**20, usage.total // 100):
         return None
     return f"{format_bytes(usage.free)} free of {format_bytes(usage.total)}"
@@ -164,7 +167,7 @@ def atomic_dir(final: str | os.PathLike, *, replace: bool = True) -> Iterator[Pa
         publish_dir(tmp, final, replace=replace)
     except Exception as exc:
         full = _filesystem_full(final.parent)  # before the partial files go, or the space they hold looks free
-        if full is None:
+        if full is None or isinstance(exc, DiskFullError):  # a nested atomic_dir's has said it already
             raise
         raise DiskFullError(f"no space left on the filesystem of {final.parent} ({full}) while {final.name} was "
                             f"written ({type(exc).__name__}): nothing was published, and the partial files are "
