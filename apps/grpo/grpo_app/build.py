@@ -188,6 +188,8 @@ def find_resume_point(cfg: GRPOConfig, known_damaged: Mapping[Path, str] | None 
             raise CheckpointError(f"{point.path} is at step {point.step}, past grpo.max_steps={cfg.grpo.max_steps}: "
                                   f"set grpo.max_steps >= {point.step} to continue this run, or a new "
                                   "logger.log_dir to start another")
+        if point.step < cfg.grpo.max_steps:  # more checkpoints to come
+            checkpoints.warn_if_no_room(point.path)
     return point
 
 

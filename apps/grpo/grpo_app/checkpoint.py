@@ -66,6 +66,13 @@ class ResumePoint:
         return int(self.state["step"])
 
 
+ROOM_HINT = "Free space there, lower checkpointing.keep_top_k, or set checkpointing.dir to a larger disk"
+
+
+def _tree_bytes(root: Path) -> int:
+    return sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+
+
 class CheckpointManager:
     def __init__(self, root: Path, *, keep_top_k: int, metric: str, higher_is_better: bool) -> None:
         self.root, self.keep_top_k, self.metric, self.higher_is_better = Path(root), keep_top_k, metric, higher_is_better
@@ -111,14 +118,20 @@ class CheckpointManager:
     def _room_needed(self) -> str:
         """What a checkpoint takes (the newest one's size, where there is one) and the ways to make room."""
         steps = self.steps()
-        hint = "Free space there, lower checkpointing.keep_top_k, or set checkpointing.dir to a larger disk"
         if not steps:
-            return hint
+            return ROOM_HINT
         newest = self.root / f"step_{steps[-1]}"
-        size = sum(f.stat().st_size for f in newest.rglob("*") if f.is_file())
-        return (f"Each checkpoint takes about {format_bytes(size)} ({newest.name}), and as one is written up to "
-                f"checkpointing.keep_top_k + 2 = {self.keep_top_k + 2} are on the disk (the best, the latest, the new "
-                f"one). {hint}")
+        return (f"Each checkpoint takes about {format_bytes(_tree_bytes(newest))} ({newest.name}), and as one is "
+                f"written up to checkpointing.keep_top_k + 2 = {self.keep_top_k + 2} are on the disk (the best, the "
+                f"latest, the new one). {ROOM_HINT}")
+
+    def warn_if_no_room(self, newest: Path) -> None:
+        """At a resume: a warning where the checkpoint filesystem has less free space than the newest checkpoint
+        takes (a run that stopped on a full disk, started again without making room, would fail at its next save)."""
+        size, free = _tree_bytes(newest), shutil.disk_usage(self.root).free
+        if free < size:
+            logger.warning("%s has %s free and the newest checkpoint, %s, takes %s: the next checkpoint will likely "
+                           "not fit. %s", self.root, format_bytes(free), newest.name, format_bytes(size), ROOM_HINT)
 
     def load_state(self, path: Path) -> dict[str, Any]:
         file = path / STATE_FILE

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -357,6 +358,24 @@ def test_resume_past_max_steps_is_refused(tmp_path):
     assert find_resume_point(cfg).step == 6  # max_steps reached: resumes (validates and ends)
     with pytest.raises(CheckpointError, match=r"at step 6, past grpo.max_steps=5: set grpo.max_steps >= 6"):
         find_resume_point(config(f"logger.log_dir={tmp_path}", "grpo.max_steps=5"))
+
+
+def test_a_resume_onto_a_disk_without_room_for_the_next_checkpoint_is_warned_about(tmp_path, caplog, monkeypatch):
+    """A run that stopped on a full disk, started again without making room, would train until its next save and
+    stop there again: said before Ray starts."""
+    from grpo_app.build import find_resume_point
+
+    cfg = config(f"logger.log_dir={tmp_path}", "grpo.max_steps=6")
+    manager = CheckpointManager(cfg.checkpoint_dir, keep_top_k=2, metric=None, higher_is_better=True)
+    manager.save(3, fake_engine_save, {"step": 3, "identity": run_identity(cfg)})
+    size = sum(f.stat().st_size for f in (cfg.checkpoint_dir / "step_3").rglob("*") if f.is_file())
+    for free, warned in ((size - 1, True), (size, False)):
+        monkeypatch.setattr(shutil, "disk_usage", lambda path, free=free: SimpleNamespace(total=2**40, free=free))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="grpo_app.checkpoint"):
+            assert find_resume_point(cfg).step == 3
+        assert ("the newest checkpoint, step_3, takes" in caplog.text and "will likely not fit" in caplog.text
+                and "lower checkpointing.keep_top_k" in caplog.text) == warned, caplog.text
 
 
 def test_torn_last_metrics_line_is_dropped_with_a_warning(tmp_path, caplog):
