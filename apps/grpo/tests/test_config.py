@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from grpo_app.config import CONFIG_DIR, apply_override, load_config, load_yaml
 from grpo_app.devices import Hardware
@@ -35,6 +36,57 @@ def test_unknown_key_names_the_nearest(tmp_path):
         load_config(path, ["grpo.max_step=3"])
     with pytest.raises(ConfigError, match=r"unknown config key 'polcy'.*did you mean 'policy'"):
         load_config(path, ["polcy.model_name=x"])
+
+
+def test_a_key_of_another_section_is_suggested_where_its_level_has_none(tmp_path):
+    path = write(tmp_path / "c.yaml", "policy: {model_name: m}\n")
+    with pytest.raises(ConfigError, match=r"^unknown config key 'policy.lr'; did you mean 'policy.optimizer.kwargs.lr'\?"):
+        load_config(path, ["policy.lr=1e-3"])
+    with pytest.raises(ConfigError, match=r"^unknown config key 'loss.temperature'; did you mean 'policy.temperature' "
+                                          r"or 'generation.temperature'\?"):
+        load_config(path, ["loss.temperature=0.7"])
+
+
+NEMO_RL_STYLE = """\
+policy:
+  model_name: m
+  optimizer: {name: torch.optim.AdamW, kwargs: {lr: 3.0e-6}}
+  generation: {max_new_tokens: 24, temperature: 1.0}
+grpo: {max_num_steps: 7, val_period: 5, use_leave_one_out_baseline: true, normalize_rewards: false}
+loss_fn: {reference_policy_kl_penalty: 0.01, ratio_clip_min: 0.1, ratio_clip_max: 0.28}
+checkpointing: {checkpoint_dir: ckpts, save_period: 3}
+logger: {tensorboard_enabled: false}
+"""
+
+
+def test_a_config_in_nemo_rls_names_gets_every_rename_in_one_error_and_loads_once_renamed(tmp_path):
+    """A NeMo-RL config brought over failed on one unknown key per run, some with no suggestion (difflib finds no
+    'val_every' near 'val_period'). Now one error lists every key with its name here, and renaming by that list
+    alone gives a config that loads, each value where it belongs."""
+    path = write(tmp_path / "nemo.yaml", NEMO_RL_STYLE)
+    with pytest.raises(ConfigError, match="This config uses NeMo-RL's names") as raised:
+        load_config(path)
+    listed = dict(pair.split(" -> ") for pair in str(raised.value).split("here they are spelled: ")[1].split(", "))
+    assert len(listed) == 12, listed
+    data = load_yaml(path)
+    renamed: dict = {}
+    for key, value in _flatten(data).items():
+        apply_override(renamed, f"{listed.get(key, key)}={value}")
+    cfg = load_config(write(tmp_path / "ours.yaml", yaml.safe_dump(renamed)))
+    assert (cfg.grpo.max_steps, cfg.grpo.val_every, cfg.grpo.leave_one_out, cfg.grpo.normalize_std) == (7, 5, True, False)
+    assert (cfg.loss.kl_coef, cfg.loss.eps_low, cfg.loss.eps_high) == (0.01, 0.1, 0.28)
+    assert (cfg.checkpointing.dir, cfg.checkpointing.save_every, cfg.logger.tensorboard) == ("ckpts", 3, False)
+    assert cfg.generation.max_new_tokens == 24 and cfg.policy.optimizer.name == "AdamW"
+
+
+def _flatten(data: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def test_hydra_prefixes_and_a_misspelt_section_from_the_command_line(tmp_path):

@@ -10,7 +10,14 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from rl_core.config import ConfigError, PolicyConfig, parse_config
+from rl_core.config import (
+    ConfigError,
+    OptimizerConfig,
+    PolicyConfig,
+    parse_config,
+    schema_keys,
+    with_keys_elsewhere,
+)
 from rl_core.losses import LossConfig
 from rl_core.metrics import all_reduce_metrics, combine_metrics, combine_optimizer_steps
 from rl_core.registry import ENGINES, Registry, create_engine, register_engine
@@ -38,6 +45,47 @@ def test_parse_nested_and_coerce_int_to_float():
 def test_unknown_key_names_closest_with_full_path():
     with pytest.raises(ConfigError, match=r"unknown config key 'loss\.inner\.lrr'.*did you mean 'loss\.inner\.lr'"):
         parse_config(Outer, {"steps": 1, "inner": {"lrr": 1.0}}, "loss")
+
+
+def test_schema_keys_reach_nested_sections_and_the_keys_of_default_mappings():
+    keys = schema_keys(PolicyConfig)
+    assert {"model_name", "optimizer.name", "optimizer.kwargs.lr", "sequence_packing.train_mb_tokens",
+            "megatron_cfg.enabled"} <= set(keys)
+    assert "optimizer" in keys and "kwargs" not in keys  # sections and their own dotted keys, nothing top-level twice
+
+
+def test_an_unknown_key_without_a_neighbour_of_its_level_suggests_the_key_of_its_name_elsewhere():
+    """`policy.lr` (the learning rate one level up) had no suggestion: the closest keys of `policy` are nothing
+    like `lr`; the key of that name is `policy.optimizer.kwargs.lr`."""
+    with pytest.raises(ConfigError) as raised:
+        parse_config(PolicyConfig, {"model_name": "m", "lr": 1e-3}, "policy")
+    assert "did you mean" not in str(raised.value)
+    hinted = with_keys_elsewhere(raised.value, PolicyConfig)
+    assert "unknown config key 'policy.lr'; did you mean 'optimizer.kwargs.lr'?" in str(hinted)
+    with pytest.raises(ConfigError) as raised:  # one of its level stays the suggestion
+        parse_config(PolicyConfig, {"model_name": "m", "model_nam": "x"}, "policy")
+    assert "did you mean 'policy.model_name'?" in str(with_keys_elsewhere(raised.value, PolicyConfig))
+
+
+def test_an_engine_switch_that_is_not_a_bool_is_refused():
+    """`megatron_cfg.enabled=maybe` (any string: 'False' quoted in YAML too) was truthy and chose Megatron."""
+    for value in ("maybe", "False", 1):
+        with pytest.raises(ConfigError, match=rf"'policy.megatron_cfg.enabled' must be a bool \(true or false\); "
+                                              rf"got {type(value).__name__} {value!r}"):
+            PolicyConfig(model_name="m", megatron_cfg={"enabled": value})
+    with pytest.raises(ConfigError, match=r"'policy.dtensor_cfg.enabled' must be a bool"):
+        PolicyConfig(model_name="m", dtensor_cfg={"enabled": "no"})
+
+
+def test_optimizer_name_in_nemo_rls_spelling_is_the_class_name():
+    assert OptimizerConfig(name="torch.optim.AdamW").name == "AdamW"
+    assert OptimizerConfig(name="SGD", kwargs={"lr": 0.1}).name == "SGD"
+
+
+def test_an_omegaconf_interpolation_is_named_as_one():
+    with pytest.raises(ConfigError, match=r"'steps' must be an integer; got str '\$\{grpo.max_steps\}' \(\$\{...\} "
+                                          r"is an OmegaConf interpolation, which this config does not evaluate"):
+        parse_config(Outer, {"steps": "${grpo.max_steps}"})
 
 
 def test_wrong_type_and_missing_required_are_named():

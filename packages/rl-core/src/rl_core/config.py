@@ -52,10 +52,45 @@ def closest_key(key: str, candidates: list[str]) -> str | None:
     return by_lower[match[0]] if match else None
 
 
-def unknown_key_error(path: str, key: str, candidates: list[str]) -> ConfigError:
-    near = closest_key(key, candidates)
-    hint = f"; did you mean '{_join(path, near)}'?" if near else "."
-    return ConfigError(f"unknown config key '{_join(path, key)}'{hint} Valid keys here: {sorted(candidates)}")
+class UnknownKeyError(ConfigError):
+    """A config key the schema does not have: `dotted` is the key as written, `near` the suggested keys (default:
+    the closest of its level, if any)."""
+
+    def __init__(self, path: str, key: str, candidates: list[str], near: list[str] | None = None) -> None:
+        close = closest_key(key, candidates)
+        self.path, self.key, self.candidates = path, key, candidates
+        self.dotted = _join(path, key)
+        self.near = near or ([_join(path, close)] if close else [])
+        hint = f"; did you mean {' or '.join(repr(n) for n in self.near)}?" if self.near else "."
+        super().__init__(f"unknown config key '{self.dotted}'{hint} Valid keys here: {sorted(candidates)}")
+
+
+def unknown_key_error(path: str, key: str, candidates: list[str]) -> UnknownKeyError:
+    return UnknownKeyError(path, key, candidates)
+
+
+def schema_keys(cls: type, path: str = "") -> list[str]:
+    """Every dotted key of dataclass schema `cls`: its fields, those of nested dataclasses, and the keys of a
+    mapping field's default (`policy.optimizer.kwargs.lr`)."""
+    keys = []
+    for f in dataclasses.fields(cls):
+        dotted = _join(path, f.name)
+        keys.append(dotted)
+        annotation = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(annotation):
+            keys += schema_keys(annotation, dotted)
+        elif f.default_factory is not dataclasses.MISSING and isinstance(default := f.default_factory(), Mapping):
+            keys += [_join(dotted, k) for k in default]
+    return keys
+
+
+def with_keys_elsewhere(exc: UnknownKeyError, root: type) -> UnknownKeyError:
+    """`exc`, when it has no suggestion of its level, suggesting the keys of that name elsewhere in schema `root`
+    (`policy.lr` -> `policy.optimizer.kwargs.lr`; `loss.temperature` -> `policy.temperature`, ...)."""
+    if exc.near:
+        return exc
+    same_name = [k for k in schema_keys(root) if k.rsplit(".", 1)[-1].lower() == exc.key.lower()]
+    return UnknownKeyError(exc.path, exc.key, exc.candidates, near=same_name[:3]) if same_name else exc
 
 
 def _join(path: str, key: str) -> str:
@@ -121,6 +156,8 @@ def yaml_hint(value: Any) -> str:
         return " (YAML reads an unquoted 'a: b' as a mapping and '[a]' as a list: quote the value)"
     if not isinstance(value, str):
         return ""
+    if re.search(r"\$\{[^}]*\}", value):  # NeMo-RL's and Hydra's configs interpolate with OmegaConf
+        return " (${...} is an OmegaConf interpolation, which this config does not evaluate: write the value itself)"
     leading_zero = re.fullmatch(r"([-+]?)(0[0-9_]*[0-9])", value)  # the trainer's YAML keeps 010 a string
     if leading_zero:
         sign, digits = leading_zero[1].replace("+", ""), leading_zero[2].replace("_", "")
@@ -182,6 +219,7 @@ class OptimizerConfig:
     kwargs: dict[str, Any] = field(default_factory=lambda: {"lr": 1e-6, "weight_decay": 0.01})
 
     def __post_init__(self) -> None:
+        self.name = self.name.removeprefix("torch.optim.")  # NeMo-RL's spelling of the class
         if "lr" not in self.kwargs:
             raise ConfigError("policy.optimizer.kwargs.lr is required (the learning rate)")
 
@@ -303,6 +341,11 @@ class PolicyConfig:
             raise ConfigError("policy.sequence_packing.enabled and policy.dynamic_batching.enabled are exclusive "
                               "(packing already cuts micro-batches by a token budget): set "
                               "policy.sequence_packing.enabled=false to batch padded rows by tokens")
+        for section in BUILTIN_ENGINE_SECTIONS.values():  # a string here ('maybe', 'False') would read as true
+            switch = getattr(self, section).get("enabled")
+            if switch is not None and not isinstance(switch, bool):
+                raise ConfigError(f"'policy.{section}.enabled' must be a bool (true or false); got "
+                                  f"{type(switch).__name__} {switch!r}")
         switched_on = [name for name in BUILTIN_ENGINE_SECTIONS if self._section(name).get("enabled", False)]
         if self.engine is not None:
             self._check_engine_key(switched_on)
