@@ -53,9 +53,9 @@ def _args(text: str) -> list[str]:
 def test_trainer_command_lines_in_docs_load():
     """Every `apps/grpo [--config X] key=value ...` the docs show names a config that exists and keys that
     validate (loading only: no model, no Ray)."""
+    from grpo_app.cli import SUBCOMMANDS
     from grpo_app.config import load_config
     from grpo_app.devices import Hardware
-    from grpo_app.main import SUBCOMMANDS
 
     gpu = Hardware(cuda_available=True, bf16_supported=True, num_gpus=8)
     failures, count = [], 0

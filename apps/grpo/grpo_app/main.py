@@ -1,4 +1,4 @@
-"""Entry point: `uv run apps/grpo [--config FILE] [dotted.key=value ...]`.
+"""The trainer's run: `uv run apps/grpo [--config FILE] [dotted.key=value ...]` (the command line: grpo_app.cli).
 
 Parses and validates the whole config, checks inputs before any worker starts, builds the run,
 resumes from the newest intact checkpoint in the run directory if there is one, trains, and logs a summary.
@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
-import importlib
 import logging
 import signal
 import sys
@@ -21,9 +20,9 @@ from pathlib import Path
 import ray
 import yaml
 
-from grpo_app import program_name
 from grpo_app.build import RunInputs, checkpoint_manager, find_resume_point, load_inputs
 from grpo_app.checkpoint import DamagedOnLoad, ResumePoint, check_prompts
+from grpo_app.cli import main  # noqa: F401  (the whole command, for scripts and tests: main(argv) -> exit code)
 from grpo_app.config import GRPOConfig, load_config
 from grpo_app.preflight import preflight
 from grpo_app.run_lock import hold_run_dir
@@ -32,31 +31,6 @@ from rl_core.config import ConfigError, to_dict
 from rollout.environments.base import RewardFailureError
 
 logger = logging.getLogger("grpo")
-# `uv run apps/grpo NAME ...`: the module whose main(argv) runs it
-SUBCOMMANDS = {"export": "grpo_app.export", "eval": "grpo_app.evaluate"}
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    prog = program_name()
-    parser = argparse.ArgumentParser(
-        prog=prog, description=__doc__.splitlines()[0],
-        epilog=f"examples:\n  {prog} grpo.max_steps=5\n"
-               f"  {prog} --config gpu_1x policy.megatron_cfg.enabled=true\n"
-               f"  {prog} export RUN_DIR [--out DIR]   (a checkpoint as a Hugging Face model; export -h)\n"
-               f"  {prog} eval --config RUN_DIR/config.yaml policy.model_name=MODEL_DIR [--samples K]\n"
-               "      (mean reward and pass@k on the validation prompts; eval -h)\n"
-               "every key and its default: apps/grpo/README.md", formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="YAML config file, or the name of a shipped one (e.g. gpu_1x; default: cpu_default)")
-    parser.add_argument("--log-level", default="INFO", type=str.upper,
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], help="Python logging level")
-    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. grpo.max_steps=5")
-    # `apps/grpo --config X eval --samples 2`: main dispatches on argv[0] only, and the subcommand's options would be
-    # refused as unknown here first
-    for name in sorted(SUBCOMMANDS.keys() & set(sys.argv[1:] if argv is None else argv)):
-        parser.error(f"'{name}' is a subcommand and comes first: {prog} {name} [its options] (see {name} -h)")
-    return parser.parse_intermixed_args(argv)  # overrides may come before and after --config
-
-
 class Terminated(BaseException):
     """The run got SIGTERM (main: exit 143); a BaseException, as KeyboardInterrupt, so that no `except
     Exception` on the way up takes it for an error of its own."""
@@ -149,11 +123,8 @@ def run_training(cfg: GRPOConfig, inputs: RunInputs, resume_point: ResumePoint |
                 stop_ray()
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] and argv[0] in SUBCOMMANDS:  # no override can be one (overrides contain '=')
-        return importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:])
-    args = parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+    """The run the parsed command line asks for (grpo_app.cli.parse_args); its exit code."""
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:  # everything a run reads is checked here, before Ray or any worker starts
         cfg = preflight(load_config(args.config, args.overrides))

@@ -748,7 +748,7 @@ def test_model_the_generation_backend_can_run_passes(tmp_path):
 
 
 def test_command_line_takes_overrides_around_config_and_checks_the_log_level(capsys):
-    from grpo_app.main import parse_args
+    from grpo_app.cli import parse_args
 
     args = parse_args(["grpo.max_steps=1", "--config", "gpu_1x", "grpo.seed=3", "--log-level", "debug"])
     assert (args.config, args.overrides, args.log_level) == ("gpu_1x", ["grpo.max_steps=1", "grpo.seed=3"], "DEBUG")
