@@ -20,6 +20,7 @@ import yaml
 
 from grpo_app.config_yaml import ConfigLoader, resolve_bool_words, yaml_error
 from grpo_app.devices import Hardware, detect_hardware, resolve_auto
+from grpo_app.nemo_rl_keys import explain_unknown_key
 from rl_core.config import (
     ConfigError,
     PolicyConfig,
@@ -27,9 +28,7 @@ from rl_core.config import (
     closest_key,
     micro_batch_limits,
     parse_config,
-    schema_keys,
     unknown_key_error,
-    with_keys_elsewhere,
 )
 from rl_core.losses import LossConfig
 
@@ -460,7 +459,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (),
                 raise unknown_key_error("", key, names)
         cfg = parse_config(GRPOConfig, resolve_auto(data, hardware or detect_hardware()))
     except UnknownKeyError as exc:
-        raise _with_file_line(explain_unknown_key(exc, data), key_lines) from None
+        raise _with_file_line(explain_unknown_key(exc, data, GRPOConfig), key_lines) from None
     except ConfigError as exc:
         if path and "defaults" not in key_lines and "is required" in str(exc):  # a file written from scratch
             exc = ConfigError(f"{exc} (--config {path} names no 'defaults:', so it starts from the schema's defaults "
@@ -468,67 +467,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (),
         raise _with_file_line(exc, key_lines) from None
     refit_path(cfg)  # a placement that cannot work fails here, naming the keys
     return cfg
-
-
-# NeMo-RL's names for keys spelled otherwise here (users bring its configs). A section maps the keys below it
-# that this schema has by the same name (policy.generation.top_p -> generation.top_p).
-NEMO_RL_KEYS = {
-    "grpo.max_num_steps": "grpo.max_steps",
-    "grpo.normalize_rewards": "grpo.normalize_std",
-    "grpo.use_leave_one_out_baseline": "grpo.leave_one_out",
-    "grpo.val_period": "grpo.val_every",
-    "grpo.max_val_samples": "grpo.num_val_prompts",
-    "grpo.async_grpo.enabled": "grpo.async_rollouts",
-    "loss_fn": "loss",
-    "loss_fn.reference_policy_kl_penalty": "loss.kl_coef",
-    "loss_fn.ratio_clip_min": "loss.eps_low",
-    "loss_fn.ratio_clip_max": "loss.eps_high",
-    "loss_fn.ratio_clip_c": "loss.dual_clip",
-    "loss_fn.sequence_level_importance_ratios": "loss.sequence_level_ratio",
-    "loss_fn.use_importance_sampling_correction": "loss.importance.enabled",
-    "checkpointing.checkpoint_dir": "checkpointing.dir",
-    "checkpointing.metric_name": "checkpointing.metric",
-    "checkpointing.save_period": "checkpointing.save_every",
-    "policy.generation": "generation",
-    "policy.generation.vllm_kwargs": "generation.backend_kwargs",
-    "policy.generation.colocated.enabled": "generation.colocated",
-    "logger.wandb_enabled": "logger.wandb.enabled",
-    "logger.tensorboard_enabled": "logger.tensorboard",
-    "data.dataset_name": "env.train_data",
-}
-
-
-def nemo_rl_renames(data: dict) -> dict[str, str]:
-    """The keys of config `data` that are NeMo-RL's names, each with this schema's (innermost keys only)."""
-    known = set(schema_keys(GRPOConfig))
-    found = {}
-    for dotted in _dotted_keys(data):
-        prefix = max((k for k in NEMO_RL_KEYS if dotted == k or dotted.startswith(k + ".")), key=len, default=None)
-        ours = prefix and NEMO_RL_KEYS[prefix] + dotted[len(prefix):]
-        if ours and dotted not in known and (dotted == prefix or ours in known):
-            found[dotted] = ours
-    return {k: v for k, v in found.items() if not any(other.startswith(k + ".") for other in found)}
-
-
-def _dotted_keys(data: dict, prefix: str = "") -> list[str]:
-    keys = []
-    for key, value in data.items():
-        keys.append(f"{prefix}{key}")
-        if isinstance(value, dict):
-            keys += _dotted_keys(value, f"{prefix}{key}.")
-    return keys
-
-
-def explain_unknown_key(exc: UnknownKeyError, data: dict) -> ConfigError:
-    """`exc` with this schema's name for a NeMo-RL key, else the keys of its name elsewhere in the schema, and
-    every other NeMo-RL name in the config listed with its rename (a ported config gets one error, not one a run)."""
-    renames = nemo_rl_renames(data)
-    ours = renames.get(exc.dotted) or NEMO_RL_KEYS.get(exc.dotted)  # a key, or a section of NeMo-RL's
-    exc = UnknownKeyError(exc.path, exc.key, exc.candidates, near=[ours]) if ours else with_keys_elsewhere(exc, GRPOConfig)
-    if not renames:
-        return exc
-    listed = ", ".join(f"{k} -> {v}" for k, v in renames.items())
-    return ConfigError(f"{exc}. This config uses NeMo-RL's names; here they are spelled: {listed}")
 
 
 def _reset_env_kwargs(data: dict, file_env: dict, overrides: list[str]) -> None:

@@ -14,8 +14,10 @@ from rl_core.config import (
     ConfigError,
     OptimizerConfig,
     PolicyConfig,
+    UnknownKeyError,
     parse_config,
     schema_keys,
+    unknown_keys,
     with_keys_elsewhere,
 )
 from rl_core.losses import LossConfig
@@ -52,6 +54,23 @@ def test_schema_keys_reach_nested_sections_and_the_keys_of_default_mappings():
     assert {"model_name", "optimizer.name", "optimizer.kwargs.lr", "sequence_packing.train_mb_tokens",
             "megatron_cfg.enabled"} <= set(keys)
     assert "optimizer" in keys and "kwargs" not in keys  # sections and their own dotted keys, nothing top-level twice
+
+
+def test_unknown_keys_lists_every_one_parse_config_would_stop_at():
+    """Each key listed is one parse_config refuses, and without them the data parses: the list is the whole of it."""
+    data = {"model_name": "m", "lr": 1e-3, "optimizer": {"nme": "AdamW", "kwargs": {"lr": 1e-3, "betas": [0.9, 0.99]}},
+            "scheduler": {"warmup_steps": 1, "style": "cosine"}, "dtensor_cfg": {"anything": 1},
+            "tokenizer": {"name": "m", "fast": {"enabled": True}}}
+    found = unknown_keys(PolicyConfig, data, "policy")
+    assert found == ["policy.lr", "policy.optimizer.nme", "policy.scheduler.style", "policy.tokenizer.name",
+                     "policy.tokenizer.fast.enabled"]  # a mapping field (kwargs, dtensor_cfg) takes any key
+    for key in found:  # parse_config refuses it (or the unknown section it is in)
+        section = key.split(".")[1]
+        with pytest.raises(UnknownKeyError) as raised:
+            parse_config(PolicyConfig, {"model_name": "m", section: data[section]}, "policy")
+        assert key == raised.value.dotted or key.startswith(raised.value.dotted + ".")
+    del data["lr"], data["optimizer"]["nme"], data["scheduler"]["style"], data["tokenizer"]
+    assert parse_config(PolicyConfig, data, "policy").scheduler.warmup_steps == 1
 
 
 def test_an_unknown_key_without_a_neighbour_of_its_level_suggests_the_key_of_its_name_elsewhere():

@@ -84,6 +84,33 @@ def schema_keys(cls: type, path: str = "") -> list[str]:
     return keys
 
 
+def unknown_keys(cls: type, data: Mapping[str, Any], path: str = "") -> list[str]:
+    """Every key of `data` that dataclass schema `cls` lacks, dotted (`parse_config` stops at the first). An unknown
+    section is listed by its innermost keys; a mapping field (`policy.engine_cfg`) takes any key."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    found = []
+    for key, value in data.items():
+        dotted = _join(path, key)
+        if key not in names:
+            found += _innermost_keys(value, dotted)
+        elif isinstance(value, Mapping) and (section := _dataclass_in(hints[key])):
+            found += unknown_keys(section, value, dotted)
+    return found
+
+
+def _innermost_keys(value: Any, dotted: str) -> list[str]:
+    if not isinstance(value, Mapping) or not value:
+        return [dotted]
+    return [k for key, item in value.items() for k in _innermost_keys(item, _join(dotted, key))]
+
+
+def _dataclass_in(annotation: Any) -> type | None:
+    """The dataclass `annotation` is, or one of its union (`SchedulerConfig | None`), else None."""
+    candidates = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else (annotation,)
+    return next((c for c in candidates if dataclasses.is_dataclass(c)), None)
+
+
 def with_keys_elsewhere(exc: UnknownKeyError, root: type) -> UnknownKeyError:
     """`exc`, when it has no suggestion of its level, suggesting the keys of that name elsewhere in schema `root`
     (`policy.lr` -> `policy.optimizer.kwargs.lr`; `loss.temperature` -> `policy.temperature`, ...)."""
