@@ -25,10 +25,10 @@ from rl_core.config import (
     ConfigError,
     PolicyConfig,
     UnknownKeyError,
+    check_known_keys,
     closest_key,
     micro_batch_limits,
     parse_config,
-    unknown_key_error,
 )
 from rl_core.losses import LossConfig
 
@@ -454,9 +454,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (),
     _reset_env_kwargs(data, file_env, overrides)
     names = [f for f in GRPOConfig.__dataclass_fields__]
     try:
-        for key in data:
-            if key not in names:
-                raise unknown_key_error("", key, names)
+        check_known_keys("", data, names)
         cfg = parse_config(GRPOConfig, resolve_auto(data, hardware or detect_hardware()))
     except UnknownKeyError as exc:
         raise _with_file_line(explain_unknown_key(exc, data, GRPOConfig), key_lines) from None

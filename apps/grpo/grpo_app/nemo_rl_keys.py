@@ -153,7 +153,8 @@ def explain_unknown_key(exc: UnknownKeyError, data: dict, schema: type) -> Confi
     that uses NeMo-RL's names, followed by the whole port (`port_summary`): one error, not one a run."""
     renames = nemo_rl_renames(data, schema)
     ours = renames.get(exc.dotted) or NEMO_RL_KEYS.get(exc.dotted)  # a key, or a section of NeMo-RL's
-    exc = UnknownKeyError(exc.path, exc.key, exc.candidates, near=[ours]) if ours else with_keys_elsewhere(exc, schema)
+    exc = UnknownKeyError(exc.path, exc.key, exc.candidates, near=[ours], others=exc.others) if ours \
+        else with_keys_elsewhere(exc, schema)
     if not renames:
         return exc
     return ConfigError(f"{exc}. This config uses NeMo-RL's names; {port_summary(data, schema)}")

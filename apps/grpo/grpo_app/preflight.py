@@ -38,9 +38,9 @@ from rl_core.config import (
     ConfigError,
     OptimizerConfig,
     PolicyConfig,
+    check_known_keys,
     closest_key,
     to_dict,
-    unknown_key_error,
     yaml_hint,
 )
 from rl_core.interfaces import ChecksModel, ValidatesConfig
@@ -88,9 +88,7 @@ def check_kwargs(target: Callable[..., Any], kwargs: dict[str, Any], key: str, *
         params = inspect.signature(target).parameters
     names = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n not in given]
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        for name in kwargs:
-            if name not in names:
-                raise unknown_key_error(key, name, names)
+        check_known_keys(key, kwargs, names)
     for name in names:
         if params[name].default is inspect.Parameter.empty and name not in kwargs:
             raise ConfigError(f"{key}.{name} is required by {getattr(target, '__qualname__', target)}; set it")

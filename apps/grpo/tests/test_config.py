@@ -38,6 +38,16 @@ def test_unknown_key_names_the_nearest(tmp_path):
         load_config(path, ["polcy.model_name=x"])
 
 
+def test_every_unknown_key_of_a_section_is_named_in_one_error(tmp_path):
+    path = write(tmp_path / "c.yaml", "policy: {model_name: m}\ngrpo: {max_step: 3, sed: 1, seed: 2}\n")
+    with pytest.raises(ConfigError, match=r"c.yaml:2: unknown config key 'grpo.max_step'; did you mean 'grpo.max_steps'\? "
+                                          r"Also unknown here: 'grpo.sed' \(did you mean 'grpo.seed'\?\)\. Valid keys"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"^unknown config key 'polcy'; did you mean 'policy'\? Also unknown here: "
+                                          r"'genration' \(did you mean 'generation'\?\)\."):
+        load_config(None, ["polcy.model_name=x", "genration.top_k=3"])
+
+
 def test_a_key_of_another_section_is_suggested_where_its_level_has_none(tmp_path):
     path = write(tmp_path / "c.yaml", "policy: {model_name: m}\n")
     with pytest.raises(ConfigError, match=r"^unknown config key 'policy.lr'; did you mean 'policy.optimizer.kwargs.lr'\?"):

@@ -17,6 +17,19 @@ def test_unknown_key_names_the_closest_field() -> None:
         parse_megatron_config({"tensor_model_paralel_size": 2})
 
 
+def test_every_unknown_key_of_the_section_is_named_in_one_error() -> None:
+    """A config brought from NeMo-RL has several keys this engine lacks: one error names them all (it was one a run),
+    each with its closest field; the keys of megatron's optimizer section likewise."""
+    with pytest.raises(ConfigError, match=r"^unknown config keys 'policy\.megatron_cfg\.converter_type'( \(did you mean [^)]*\))?, "
+                                          r"'policy\.megatron_cfg\.tensor_model_paralel_size' \(did you mean "
+                                          r"'policy\.megatron_cfg\.tensor_model_parallel_size'\?\)\. Keys other"):
+        parse_megatron_config({"converter_type": "Qwen2ForCausalLM", "tensor_model_paralel_size": 2, "bf16": True})
+    with pytest.raises(ConfigError, match=r"^unknown config keys 'policy\.megatron_cfg\.optimizer\.lrr' \(did you mean "
+                                          r"'policy\.megatron_cfg\.optimizer\.lr'\?\), 'policy\.megatron_cfg\.optimizer\."
+                                          r"clip_gradd' \(did you mean 'policy\.megatron_cfg\.optimizer\.clip_grad'\?\)"):
+        parse_megatron_config({"optimizer": {"lrr": 1e-5, "clip_gradd": 1.0, "adam_beta1": 0.9}})
+
+
 def test_unknown_transformer_key_names_the_closest_field() -> None:
     with pytest.raises(ConfigError, match=r"did you mean 'policy\.megatron_cfg\.apply_rope_fusion'"):
         parse_megatron_config({"apply_rope_fusio": True})

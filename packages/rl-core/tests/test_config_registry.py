@@ -56,6 +56,14 @@ def test_schema_keys_reach_nested_sections_and_the_keys_of_default_mappings():
     assert "optimizer" in keys and "kwargs" not in keys  # sections and their own dotted keys, nothing top-level twice
 
 
+def test_every_unknown_key_of_a_level_is_named_in_one_error():
+    with pytest.raises(UnknownKeyError) as raised:
+        parse_config(Outer, {"stpes": 2, "steps": 1, "tgas": [], "colour": "red", "inner": {"lrr": 1}}, "x")
+    assert (raised.value.dotted, raised.value.others) == ("x.stpes", ["tgas", "colour"])  # inner's come next
+    assert str(raised.value).startswith("unknown config key 'x.stpes'; did you mean 'x.steps'? Also unknown here: "
+                                        "'x.tgas' (did you mean 'x.tags'?), 'x.colour'. Valid keys here: ")
+
+
 def test_unknown_keys_lists_every_one_parse_config_would_stop_at():
     """Each key listed is one parse_config refuses, and without them the data parses: the list is the whole of it."""
     data = {"model_name": "m", "lr": 1e-3, "optimizer": {"nme": "AdamW", "kwargs": {"lr": 1e-3, "betas": [0.9, 0.99]}},

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from rl_core import lora as shared_lora
-from rl_core.config import ConfigError, PolicyConfig, closest_key, parse_config
+from rl_core.config import ConfigError, PolicyConfig, describe_unknown_keys, parse_config
 
 logger = logging.getLogger(__name__)
 
@@ -186,12 +186,10 @@ def _scheduler_fields() -> list[str]:
 
 
 def _check_fields(section: str, key: str, values: dict[str, Any], valid: list[str]) -> None:
-    for name in values:
-        if name not in valid:
-            near = closest_key(name, valid)
-            hint = f"; did you mean '{section}.{key}.{near}'?" if near else ""
-            raise ConfigError(f"unknown config key '{section}.{key}.{name}'{hint} (checked against megatron's "
-                              f"{key} fields)")
+    unknown = [name for name in values if name not in valid]
+    if unknown:
+        raise ConfigError(f"unknown config key{'s' * (len(unknown) > 1)} {describe_unknown_keys(f'{section}.{key}', unknown, valid)} "
+                          f"(checked against megatron's {key} fields)")
 
 
 def parse_megatron_config(raw: dict[str, Any], section: str = SECTION) -> MegatronConfig:
@@ -199,17 +197,12 @@ def parse_megatron_config(raw: dict[str, Any], section: str = SECTION) -> Megatr
     `policy.engine_cfg`): own keys typed and checked, the rest checked against TransformerConfig."""
     own = [f.name for f in dataclasses.fields(MegatronConfig) if f.name != "transformer_config"]
     transformer = _transformer_fields()
-    known, extra = {}, {}
-    for key, value in raw.items():
-        if key in own:
-            known[key] = value
-        elif key in transformer:
-            extra[key] = value
-        else:
-            near = closest_key(key, own + transformer)
-            hint = f"; did you mean '{section}.{near}'?" if near else ""
-            raise ConfigError(f"unknown config key '{section}.{key}'{hint} Keys other than {sorted(own)} must be "
-                              "fields of megatron.core's TransformerConfig.")
+    unknown = [key for key in raw if key not in own and key not in transformer]
+    if unknown:
+        raise ConfigError(f"unknown config key{'s' * (len(unknown) > 1)} {describe_unknown_keys(section, unknown, own + transformer)}. "
+                          f"Keys other than {sorted(own)} must be fields of megatron.core's TransformerConfig.")
+    known = {key: value for key, value in raw.items() if key in own}
+    extra = {key: value for key, value in raw.items() if key not in own}
     cfg = parse_config(MegatronConfig, known, section)
     for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                 "expert_model_parallel_size", "expert_tensor_parallel_size"):

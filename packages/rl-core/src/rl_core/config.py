@@ -18,7 +18,7 @@ import math
 import re
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -54,19 +54,34 @@ def closest_key(key: str, candidates: list[str]) -> str | None:
 
 class UnknownKeyError(ConfigError):
     """A config key the schema does not have: `dotted` is the key as written, `near` the suggested keys (default:
-    the closest of its level, if any)."""
+    the closest of its level, if any), `others` the other keys of its level the schema does not have either (named
+    too: a config with three of them was three runs)."""
 
-    def __init__(self, path: str, key: str, candidates: list[str], near: list[str] | None = None) -> None:
+    def __init__(self, path: str, key: str, candidates: list[str], near: list[str] | None = None,
+                 others: list[str] = ()) -> None:
         close = closest_key(key, candidates)
-        self.path, self.key, self.candidates = path, key, candidates
+        self.path, self.key, self.candidates, self.others = path, key, candidates, list(others)
         self.dotted = _join(path, key)
         self.near = near or ([_join(path, close)] if close else [])
         hint = f"; did you mean {' or '.join(repr(n) for n in self.near)}?" if self.near else "."
-        super().__init__(f"unknown config key '{self.dotted}'{hint} Valid keys here: {sorted(candidates)}")
+        also = f" Also unknown here: {describe_unknown_keys(path, self.others, candidates)}." if self.others else ""
+        super().__init__(f"unknown config key '{self.dotted}'{hint}{also} Valid keys here: {sorted(candidates)}")
 
 
-def unknown_key_error(path: str, key: str, candidates: list[str]) -> UnknownKeyError:
-    return UnknownKeyError(path, key, candidates)
+def describe_unknown_keys(path: str, keys: list[str], candidates: list[str]) -> str:
+    """`keys` of section `path`, quoted and dotted, each with the closest of `candidates` where one is near."""
+    def described(key: str) -> str:
+        near = closest_key(key, candidates)
+        return f"'{_join(path, key)}'" + (f" (did you mean '{_join(path, near)}'?)" if near else "")
+
+    return ", ".join(described(key) for key in keys)
+
+
+def check_known_keys(path: str, keys: Iterable[str], candidates: list[str]) -> None:
+    """Raise UnknownKeyError for the first of `keys` (of section `path`) not in `candidates`, naming the others."""
+    unknown = [key for key in keys if key not in candidates]
+    if unknown:
+        raise UnknownKeyError(path, unknown[0], candidates, others=unknown[1:])
 
 
 def schema_keys(cls: type, path: str = "") -> list[str]:
@@ -117,7 +132,8 @@ def with_keys_elsewhere(exc: UnknownKeyError, root: type) -> UnknownKeyError:
     if exc.near:
         return exc
     same_name = [k for k in schema_keys(root) if k.rsplit(".", 1)[-1].lower() == exc.key.lower()]
-    return UnknownKeyError(exc.path, exc.key, exc.candidates, near=same_name[:3]) if same_name else exc
+    return UnknownKeyError(exc.path, exc.key, exc.candidates, near=same_name[:3], others=exc.others) if same_name \
+        else exc
 
 
 def _join(path: str, key: str) -> str:
@@ -212,9 +228,7 @@ def parse_config(cls: type[T], data: Mapping[str, Any] | None, path: str = "") -
     data = dict(data or {})
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.init]
-    for key in data:
-        if key not in names:
-            raise unknown_key_error(path, key, names)
+    check_known_keys(path, data, names)
     kwargs = {}
     for f in dataclasses.fields(cls):
         if f.name in data:
