@@ -62,6 +62,8 @@ NEMO_RL_SETTINGS: dict[str, Callable[[Any], str | None]] = {
     "policy.logprob_chunk_size": lambda value: (
         "remove it (the log-softmax is always chunked here: policy.logprob_chunk_tokens)" if value is None else
         "policy.logprob_chunk_tokens (tokens of a whole micro-batch per chunk, not positions of each sequence)"),
+    # NeMo-RL's validation reward, by the name this trainer logs it under (another metric is only renamed)
+    "checkpointing.metric_name": lambda value: "checkpointing.metric=val/reward_mean" if value == "val_reward" else None,
     # NeMo-RL names each environment's section; here one env section, the environment named by env.name
     "env.math": lambda value: "env.name=math" + (f", env.num_workers={value['num_workers']}" if isinstance(value, dict)
                                                  and "num_workers" in value else ""),
@@ -135,7 +137,8 @@ def port_summary(data: dict, schema: type) -> str:
     no_counterpart = [theirs[name] for name in unknown_keys(schema, nested) + clashes]
     interpolations = {key: leaves[key] for key in ours if key not in no_counterpart
                       and isinstance(leaves[key], str) and "${" in leaves[key]}
-    lines = ["here they are spelled: " + ", ".join(f"{k} -> {v}" for k, v in nemo_rl_renames(data, schema).items())]
+    renames = {k: v for k, v in nemo_rl_renames(data, schema).items() if k not in settings}
+    lines = ["here they are spelled: " + ", ".join(f"{k} -> {v}" for k, v in renames.items())]
     if settings:
         lines.append("set otherwise here: " + "; ".join(f"{k}={_short_value(values[k])} -> {note}"
                                                         for k, note in settings.items()))

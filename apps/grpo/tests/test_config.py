@@ -103,6 +103,7 @@ grpo: {max_num_steps: 7, max_rollout_turns: 1}
 loss_fn: {ratio_clip_min: 0.1, token_level_loss: false, use_on_policy_kl_approximation: false}
 data: {dataset_name: train.jsonl, shuffle: true}
 env: {math: {num_workers: 2}}
+checkpointing: {metric_name: val_reward}
 """
 # the same run in this schema's names, written by hand from NeMo-RL's docs
 PORTED = """\
@@ -111,6 +112,7 @@ generation: {max_new_tokens: 24, colocated: true}
 env: {name: math, num_workers: 2, max_prompt_tokens: 16, train_data: train.jsonl}
 grpo: {max_steps: 7}
 loss: {eps_low: 0.1, agg: seq-mean-token-mean}
+checkpointing: {metric: val/reward_mean}
 """
 
 
@@ -131,7 +133,7 @@ def test_a_nemo_rl_config_gets_its_whole_port_in_one_error(tmp_path):
         "policy.max_total_sequence_length=40 -> env.max_prompt_tokens and generation.max_new_tokens (the prompt and "
         "the completion are bounded apart here, together at most 40)",
         "loss_fn.token_level_loss=false -> loss.agg=seq-mean-token-mean", "env.math={...} -> env.name=math, "
-        "env.num_workers=2"]
+        "env.num_workers=2", "checkpointing.metric_name=val_reward -> checkpointing.metric=val/reward_mean"]
     assert removed.startswith("no counterpart here (remove them") and set(removed.split("): ", 1)[1].split(", ")) == {
         "policy.tokenizer.name", "policy.generation.colocated.resources.gpus_per_node", "grpo.max_rollout_turns",
         "loss_fn.use_on_policy_kl_approximation", "data.shuffle"}  # megatron_cfg's keys are the engine's to check
