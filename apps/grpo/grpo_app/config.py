@@ -20,7 +20,7 @@ import yaml
 
 from grpo_app.config_yaml import ConfigLoader, resolve_bool_words, yaml_error
 from grpo_app.devices import Hardware, detect_hardware, resolve_auto
-from grpo_app.nemo_rl_keys import explain_unknown_key
+from grpo_app.ported_configs import explain_unknown_key
 from rl_core.config import (
     ConfigError,
     PolicyConfig,

@@ -143,6 +143,50 @@ def test_a_nemo_rl_config_gets_its_whole_port_in_one_error(tmp_path):
         7, 0.1, "seq-mean-token-mean", "math", 2)
 
 
+VERL_COMMAND_LINE = [  # verl's examples/grpo_trainer/run_qwen2-7b.sh, shortened
+    "algorithm.adv_estimator=grpo", "data.train_batch_size=8", "data.max_prompt_length=16",
+    "data.max_response_length=24", "data.filter_overlong_prompts=True", "actor_rollout_ref.model.path=m",
+    "actor_rollout_ref.actor.optim.lr=1e-6", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.01",
+    "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.actor.entropy_coeff=0",
+    "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.top_k=-1", "trainer.logger=[console]",
+    "trainer.save_freq=-1", "trainer.test_freq=5", "trainer.total_training_steps=7"]
+# the same run in this schema's names, written by hand from verl's docs (mini-batch: 4 prompts x 4 samples)
+VERL_PORTED = ["env.max_prompt_tokens=16", "generation.max_new_tokens=24", "grpo.num_prompts_per_step=8",
+               "policy.model_name=m", "policy.optimizer.kwargs.lr=1e-6", "policy.train_global_batch_size=16",
+               "loss.kl_coef=0.01", "loss.kl_kind=k3", "grpo.num_generations_per_prompt=4", "generation.top_k=0",
+               "checkpointing.enabled=false", "grpo.val_every=5", "grpo.max_steps=7"]
+
+
+def test_a_verl_command_line_gets_its_whole_port_in_one_error():
+    """verl users bring their overrides: the one error names each key's name here, the settings whose value changes
+    (the mini-batch counted in prompts, the KL switch, -1 for 'off'), and the keys with no counterpart."""
+    with pytest.raises(ConfigError, match="This config uses verl's names") as raised:
+        load_config(None, VERL_COMMAND_LINE)
+    renames, settings, removed = str(raised.value).split("here they are spelled: ")[1].split("\n")
+    assert set(renames.split(", ")) == {
+        "data.train_batch_size -> grpo.num_prompts_per_step", "data.max_prompt_length -> env.max_prompt_tokens",
+        "data.max_response_length -> generation.max_new_tokens", "actor_rollout_ref.model.path -> policy.model_name",
+        "actor_rollout_ref.actor.optim.lr -> policy.optimizer.kwargs.lr",
+        "actor_rollout_ref.rollout.n -> grpo.num_generations_per_prompt",
+        "trainer.total_training_steps -> grpo.max_steps"}
+    assert set(settings.split(": ", 1)[1].split("; ")) == {
+        "algorithm.adv_estimator=grpo -> nothing to set (the algorithm here is GRPO)",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4 -> policy.train_global_batch_size=16 (sequences here: prompts "
+        "x actor_rollout_ref.rollout.n)",
+        "actor_rollout_ref.actor.use_kl_loss=true -> loss.kl_coef=0.01",
+        "actor_rollout_ref.actor.kl_loss_coef=0.01 -> read with actor_rollout_ref.actor.use_kl_loss (above)",
+        "actor_rollout_ref.actor.kl_loss_type=low_var_kl -> loss.kl_kind=k3",
+        "actor_rollout_ref.rollout.top_k=-1 -> generation.top_k=0 (0 turns top-k off here)",
+        "trainer.logger=[...] -> nothing to set (metrics.jsonl is always written)",
+        "trainer.save_freq=-1 -> checkpointing.enabled=false", "trainer.test_freq=5 -> grpo.val_every=5"}
+    assert set(removed.split("): ", 1)[1].split(", ")) == {"data.filter_overlong_prompts",
+                                                            "actor_rollout_ref.actor.entropy_coeff"}
+    cfg = load_config(None, VERL_PORTED)
+    assert (cfg.policy.train_global_batch_size, cfg.loss.kl_coef, cfg.loss.kl_kind, cfg.generation.top_k,
+            cfg.checkpointing.enabled, cfg.grpo.num_prompts_per_step) == (16, 0.01, "k3", 0, False, 8)
+
+
 def _flatten(data: dict, prefix: str = "") -> dict:
     flat = {}
     for key, value in data.items():
