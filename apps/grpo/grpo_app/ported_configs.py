@@ -1,10 +1,11 @@
-"""Configs written for NeMo-RL or verl: what each of their keys is here, said in one error.
+"""Configs written for NeMo-RL, verl or TRL: what each of their keys is here, said in one error.
 
 A NeMo-RL config brought over failed on one unknown key per run (some thirty for examples/configs/grpo_math_1B.yaml),
-and so did a verl command line (`actor_rollout_ref.actor.optim.lr=1e-6 data.train_batch_size=1024 ...`). The first
-unknown key of a config in either's names now comes with the whole port: the keys spelled otherwise here, those that
-take another value or other keys, those with no counterpart, and the OmegaConf interpolations to write out. The
-engine sections (`policy.dtensor_cfg`, `policy.megatron_cfg`) are the engine's to check, next.
+and so did a verl command line (`actor_rollout_ref.actor.optim.lr=1e-6 data.train_batch_size=1024 ...`) and a TRL
+`trl grpo --config` YAML (GRPOConfig's flat fields). The first unknown key of a config in any of their names now comes
+with the whole port: the keys spelled otherwise here, those that take another value or other keys, those with no
+counterpart, and the OmegaConf interpolations to write out. The engine sections (`policy.dtensor_cfg`,
+`policy.megatron_cfg`) are the engine's to check, next.
 """
 
 from __future__ import annotations
@@ -157,7 +158,73 @@ VERL = Framework("verl", keys={
         if isinstance(value, list) else None,
 })
 
-FRAMEWORKS = (NEMO_RL, VERL)
+
+def _trl_batch(value: Any, config: dict[str, Any]) -> str:
+    """A TRL step samples per_device_train_batch_size x processes x gradient_accumulation_steps completions (its
+    generation batch, by default one optimizer step), num_generations of each prompt; here a step's prompts and its
+    optimizer batch are set, not derived."""
+    accumulation, generations = config.get("gradient_accumulation_steps", 1), config.get("num_generations", 8)
+    note = f"policy.train_micro_batch_size={value}"
+    if all(isinstance(v, int) and v > 0 for v in (value, accumulation, generations)):
+        note += (f", and on one GPU grpo.num_prompts_per_step={value * accumulation // generations}, "
+                 f"policy.train_global_batch_size={value * accumulation} (a TRL step samples and trains on {value} x "
+                 f"{accumulation} x <processes> completions, {generations} a prompt)")
+    return note
+
+
+TRL_LOSS_TYPES = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dapo": "token-mean",
+                  "dr_grpo": "seq-mean-token-sum"}  # TRL's dr_grpo also divides by max_completion_length
+TRL_SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant"}
+# TRL's GRPOConfig fields (a flat YAML for `trl grpo --config`, or its command-line arguments)
+TRL = Framework("TRL", keys={
+    "model_name_or_path": "policy.model_name",
+    "dataset_name": "env.train_data",
+    "learning_rate": "policy.optimizer.kwargs.lr",
+    "weight_decay": "policy.optimizer.kwargs.weight_decay",
+    "warmup_steps": "policy.scheduler.warmup_steps",
+    "max_grad_norm": "policy.max_grad_norm",
+    "num_generations": "grpo.num_generations_per_prompt",
+    "max_prompt_length": "env.max_prompt_tokens",
+    "max_completion_length": "generation.max_new_tokens",
+    "temperature": "generation.temperature",
+    "top_p": "generation.top_p",
+    "top_k": "generation.top_k",
+    "beta": "loss.kl_coef",
+    "epsilon_high": "loss.eps_high",
+    "max_steps": "grpo.max_steps",
+    "save_steps": "checkpointing.save_every",
+    "eval_steps": "grpo.val_every",
+    "output_dir": "logger.log_dir",
+    "seed": "grpo.seed",
+    "gradient_checkpointing": "policy.dtensor_cfg.activation_checkpointing",
+    "vllm_gpu_memory_utilization": "generation.backend_kwargs.gpu_memory_utilization",
+    "vllm_tensor_parallel_size": "generation.backend_kwargs.tensor_parallel_size",
+}, settings={
+    "epsilon": lambda value, config: f"loss.eps_low={value}" + ("" if "epsilon_high" in config
+                                                                 else f", loss.eps_high={value}"),
+    "loss_type": lambda value, _: f"loss.agg={TRL_LOSS_TYPES[value]}" if value in TRL_LOSS_TYPES else None,
+    "scale_rewards": lambda value, _: {True: "grpo.normalize_std=true", "group": "grpo.normalize_std=true",
+                                       False: "grpo.normalize_std=false", "none": "grpo.normalize_std=false",
+                                       "batch": "grpo.normalize_std=false, grpo.batch_normalize=true"}.get(value),
+    "use_vllm": lambda value, _: f"generation.backend={'vllm' if value else 'torch'}",
+    "vllm_mode": lambda value, _: {"colocate": "generation.colocated=true",
+                                   "server": "generation.colocated=false"}.get(value),
+    "bf16": lambda value, _: f"policy.precision={'bfloat16' if value else 'float32'}",
+    "per_device_train_batch_size": _trl_batch,
+    "gradient_accumulation_steps": lambda value, config: "read with per_device_train_batch_size (above)"
+        if "per_device_train_batch_size" in config else None,
+    "num_iterations": lambda value, _: "nothing to set (one pass over each batch here)" if value == 1 else None,
+    "lr_scheduler_type": lambda value, config: f"policy.scheduler.decay={TRL_SCHEDULERS[value]}" + (
+        f", policy.scheduler.total_steps={config['max_steps']}" if isinstance(config.get("max_steps"), int)
+        and config["max_steps"] > 0 else "") if value in TRL_SCHEDULERS else None,
+    "report_to": lambda value, _: ", ".join(
+        {"wandb": "logger.wandb.enabled=true", "tensorboard": "logger.tensorboard=true"}[name]
+        for name in ([value] if isinstance(value, str) else value or []) if name in ("wandb", "tensorboard"))
+        or "nothing to set (metrics.jsonl is always written)",
+    "logging_steps": lambda value, _: "nothing to set (every step is logged)",
+})
+
+FRAMEWORKS = (NEMO_RL, VERL, TRL)
 
 
 def _our_name(framework: Framework, dotted: str, known: set[str]) -> str | None:
@@ -223,7 +290,7 @@ def _short_value(value: Any) -> str:
     """`value` as YAML writes a scalar; a list or mapping as [...] / {...} (the key names it)."""
     if isinstance(value, (list, dict)):
         return "[...]" if isinstance(value, list) else "{...}" if value else "{}"
-    return {True: "true", False: "false", None: "null"}.get(value, str(value))
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def port_summary(framework: Framework, data: dict, schema: type) -> str:
@@ -256,12 +323,12 @@ def port_summary(framework: Framework, data: dict, schema: type) -> str:
 
 def explain_unknown_key(exc: UnknownKeyError, data: dict, schema: type) -> ConfigError:
     """`exc` with this schema's name for another framework's key, else the keys of its name elsewhere in the schema;
-    in a config that uses NeMo-RL's or verl's names, followed by the whole port (`port_summary`): one error, not one
+    in a config that uses NeMo-RL's, verl's or TRL's names, followed by the whole port (`port_summary`): one error, not one
     a run."""
     framework = framework_of(data, schema)
     if framework is None:
         return with_keys_elsewhere(exc, schema)
     ours = renames(framework, data, schema).get(exc.dotted) or framework.keys.get(exc.dotted)  # a key, or a section
-    exc = UnknownKeyError(exc.path, exc.key, exc.candidates, near=[ours], others=exc.others) if ours \
-        else with_keys_elsewhere(exc, schema)
+    exc = UnknownKeyError(exc.path, exc.key, exc.candidates, near=[ours]) if ours else with_keys_elsewhere(
+        UnknownKeyError(exc.path, exc.key, exc.candidates), schema)  # its `others` are in the port
     return ConfigError(f"{exc}. This config uses {framework.name}'s names; {port_summary(framework, data, schema)}")

@@ -187,6 +187,57 @@ def test_a_verl_command_line_gets_its_whole_port_in_one_error():
             cfg.checkpointing.enabled, cfg.grpo.num_prompts_per_step) == (16, 0.01, "k3", 0, False, 8)
 
 
+TRL_CONFIG = """\
+model_name_or_path: m
+learning_rate: 1.0e-6
+lr_scheduler_type: cosine
+per_device_train_batch_size: 8
+gradient_accumulation_steps: 2
+num_generations: 4
+max_completion_length: 24
+beta: 0.04
+epsilon: 0.2
+loss_type: dr_grpo
+scale_rewards: false
+num_iterations: 2
+bf16: false
+report_to: none
+max_steps: 10
+"""
+# the same run in this schema's names, written by hand from TRL's GRPOConfig docs
+TRL_PORTED = ["policy.model_name=m", "policy.optimizer.kwargs.lr=1e-6", "policy.scheduler.decay=cosine",
+              "policy.scheduler.total_steps=10", "policy.train_micro_batch_size=8", "grpo.num_prompts_per_step=4",
+              "policy.train_global_batch_size=16", "grpo.num_generations_per_prompt=4", "generation.max_new_tokens=24",
+              "loss.kl_coef=0.04", "loss.eps_low=0.2", "loss.eps_high=0.2", "loss.agg=seq-mean-token-sum",
+              "grpo.normalize_std=false", "policy.precision=float32", "grpo.max_steps=10"]
+
+
+def test_a_trl_config_gets_its_whole_port_in_one_error(tmp_path):
+    """TRL's GRPOConfig fields are flat: each was an unknown top-level key. Its batch is derived (per device x
+    accumulation), its epsilon is both clip bounds, and its loss_type names what loss.agg names here."""
+    with pytest.raises(ConfigError, match=r"^.*trl.yaml:1: unknown config key 'model_name_or_path'; did you mean "
+                                          r"'policy.model_name'\? Valid keys here: .* This config uses TRL's names") as raised:
+        load_config(write(tmp_path / "trl.yaml", TRL_CONFIG))
+    renames, settings, removed = str(raised.value).split("here they are spelled: ")[1].split("\n")
+    assert set(renames.split(", ")) == {
+        "model_name_or_path -> policy.model_name", "learning_rate -> policy.optimizer.kwargs.lr",
+        "num_generations -> grpo.num_generations_per_prompt", "max_completion_length -> generation.max_new_tokens",
+        "beta -> loss.kl_coef", "max_steps -> grpo.max_steps"}
+    assert set(settings.split(": ", 1)[1].split("; ")) == {
+        "lr_scheduler_type=cosine -> policy.scheduler.decay=cosine, policy.scheduler.total_steps=10",
+        "per_device_train_batch_size=8 -> policy.train_micro_batch_size=8, and on one GPU grpo.num_prompts_per_step=4, "
+        "policy.train_global_batch_size=16 (a TRL step samples and trains on 8 x 2 x <processes> completions, 4 a "
+        "prompt)",
+        "gradient_accumulation_steps=2 -> read with per_device_train_batch_size (above)",
+        "epsilon=0.2 -> loss.eps_low=0.2, loss.eps_high=0.2", "loss_type=dr_grpo -> loss.agg=seq-mean-token-sum",
+        "scale_rewards=false -> grpo.normalize_std=false", "bf16=false -> policy.precision=float32",
+        "report_to=none -> nothing to set (metrics.jsonl is always written)"}
+    assert removed.endswith("): num_iterations")  # TRL's PPO epochs: one pass over each batch here
+    cfg = load_config(None, TRL_PORTED)
+    assert (cfg.grpo.num_prompts_per_step, cfg.policy.train_global_batch_size, cfg.loss.eps_high, cfg.loss.agg) == (
+        4, 16, 0.2, "seq-mean-token-sum")
+
+
 def _flatten(data: dict, prefix: str = "") -> dict:
     flat = {}
     for key, value in data.items():
