@@ -25,7 +25,7 @@ from rl_core.config import (
     ConfigError,
     PolicyConfig,
     UnknownKeyError,
-    check_known_keys,
+    check_schema_keys,
     closest_key,
     micro_batch_limits,
     parse_config,
@@ -452,9 +452,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (),
         key_lines = {k: v for k, v in key_lines.items() if k != dotted and not k.startswith(dotted + ".")}
     data = resolve_bool_words(data, GRPOConfig)  # before anything reads a switch (resolve_auto reads some raw)
     _reset_env_kwargs(data, file_env, overrides)
-    names = [f for f in GRPOConfig.__dataclass_fields__]
     try:
-        check_known_keys("", data, names)
+        check_schema_keys(GRPOConfig, data)  # a typo answers before the hardware is probed (a subprocess on a GPU)
         cfg = parse_config(GRPOConfig, resolve_auto(data, hardware or detect_hardware()))
     except UnknownKeyError as exc:
         raise _with_file_line(explain_unknown_key(exc, data, GRPOConfig), key_lines) from None

@@ -48,6 +48,22 @@ def test_every_unknown_key_of_a_section_is_named_in_one_error(tmp_path):
         load_config(None, ["polcy.model_name=x", "genration.top_k=3"])
 
 
+def test_unknown_keys_of_several_sections_are_one_error_found_before_the_hardware_is_probed(monkeypatch):
+    """A typo in `policy` and one in `grpo` were two runs, and each was reported after the device line: the keys were
+    checked section by section as the values were read, after the hardware probe (a subprocess on a GPU machine)."""
+    def no_probe() -> Hardware:
+        raise AssertionError("the hardware was probed before the keys were checked")
+
+    monkeypatch.setattr("grpo_app.config.detect_hardware", no_probe)
+    with pytest.raises(ConfigError, match=r"^unknown config key 'policy.optimizer.lrr'\..* Valid keys here: "
+                                          r"\['kwargs', 'name'\]\. Unknown in other sections too: 'loss.kl_cof' "
+                                          r"\(did you mean 'loss.kl_coef'\?\), 'loss.eps_hi' \(did you mean "
+                                          r"'loss.eps_high'\?\), 'grpo.max_stepz' \(did you mean 'grpo.max_steps'\?\)$"):
+        load_config(None, ["policy.optimizer.lrr=1", "grpo.max_stepz=5", "loss.kl_cof=0.1", "loss.eps_hi=0.3"])
+    with pytest.raises(AssertionError, match="probed"):  # the probe is there to be reached, once the keys are known
+        load_config(None, ["grpo.max_steps=5"])
+
+
 def test_a_key_of_another_section_is_suggested_where_its_level_has_none(tmp_path):
     path = write(tmp_path / "c.yaml", "policy: {model_name: m}\n")
     with pytest.raises(ConfigError, match=r"^unknown config key 'policy.lr'; did you mean 'policy.optimizer.kwargs.lr'\?"):

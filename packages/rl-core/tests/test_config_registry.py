@@ -70,8 +70,8 @@ def test_unknown_keys_lists_every_one_parse_config_would_stop_at():
             "scheduler": {"warmup_steps": 1, "style": "cosine"}, "dtensor_cfg": {"anything": 1},
             "tokenizer": {"name": "m", "fast": {"enabled": True}}}
     found = unknown_keys(PolicyConfig, data, "policy")
-    assert found == ["policy.lr", "policy.optimizer.nme", "policy.scheduler.style", "policy.tokenizer.name",
-                     "policy.tokenizer.fast.enabled"]  # a mapping field (kwargs, dtensor_cfg) takes any key
+    assert found == ["policy.lr", "policy.tokenizer.name", "policy.tokenizer.fast.enabled", "policy.optimizer.nme",
+                     "policy.scheduler.style"]  # a section's own first; a mapping field (kwargs, dtensor_cfg) takes any key
     for key in found:  # parse_config refuses it (or the unknown section it is in)
         section = key.split(".")[1]
         with pytest.raises(UnknownKeyError) as raised:

@@ -55,17 +55,21 @@ def closest_key(key: str, candidates: list[str]) -> str | None:
 class UnknownKeyError(ConfigError):
     """A config key the schema does not have: `dotted` is the key as written, `near` the suggested keys (default:
     the closest of its level, if any), `others` the other keys of its level the schema does not have either (named
-    too: a config with three of them was three runs)."""
+    too: a config with three of them was three runs), `elsewhere` those of other sections, described
+    (`describe_unknown_keys`)."""
 
     def __init__(self, path: str, key: str, candidates: list[str], near: list[str] | None = None,
-                 others: list[str] = ()) -> None:
+                 others: list[str] = (), elsewhere: list[str] = ()) -> None:
         close = closest_key(key, candidates)
         self.path, self.key, self.candidates, self.others = path, key, candidates, list(others)
+        self.elsewhere = list(elsewhere)
         self.dotted = _join(path, key)
         self.near = near or ([_join(path, close)] if close else [])
         hint = f"; did you mean {' or '.join(repr(n) for n in self.near)}?" if self.near else "."
         also = f" Also unknown here: {describe_unknown_keys(path, self.others, candidates)}." if self.others else ""
-        super().__init__(f"unknown config key '{self.dotted}'{hint}{also} Valid keys here: {sorted(candidates)}")
+        other_sections = f". Unknown in other sections too: {', '.join(self.elsewhere)}" if self.elsewhere else ""
+        super().__init__(f"unknown config key '{self.dotted}'{hint}{also} Valid keys here: {sorted(candidates)}"
+                         f"{other_sections}")
 
 
 def describe_unknown_keys(path: str, keys: list[str], candidates: list[str]) -> str:
@@ -84,6 +88,17 @@ def check_known_keys(path: str, keys: Iterable[str], candidates: list[str]) -> N
         raise UnknownKeyError(path, unknown[0], candidates, others=unknown[1:])
 
 
+def check_schema_keys(cls: type, data: Mapping[str, Any]) -> None:
+    """Raise UnknownKeyError for the first unknown key of `data` (in the order `parse_config` finds them), naming
+    every other one of the whole tree, and before any value is read: a caller that resolves values first (probing
+    the hardware) reports a typo at once."""
+    sections = [(path, unknown, names) for path, _, unknown, names in _unknown_by_section(cls, data, "")]
+    if sections:
+        (path, unknown, candidates), rest = sections[0], sections[1:]
+        raise UnknownKeyError(path, unknown[0], candidates, others=unknown[1:],
+                              elsewhere=[describe_unknown_keys(*section) for section in rest])
+
+
 def schema_keys(cls: type, path: str = "") -> list[str]:
     """Every dotted key of dataclass schema `cls`: its fields, those of nested dataclasses, and the keys of a
     mapping field's default (`policy.optimizer.kwargs.lr`)."""
@@ -100,17 +115,23 @@ def schema_keys(cls: type, path: str = "") -> list[str]:
 
 
 def unknown_keys(cls: type, data: Mapping[str, Any], path: str = "") -> list[str]:
-    """Every key of `data` that dataclass schema `cls` lacks, dotted (`parse_config` stops at the first). An unknown
-    section is listed by its innermost keys; a mapping field (`policy.engine_cfg`) takes any key."""
+    """Every key of `data` that dataclass schema `cls` lacks, dotted, in the order `parse_config` finds them (it
+    stops at the first): a section's own, then those of its subsections. An unknown section is listed by its
+    innermost keys; a mapping field (`policy.engine_cfg`) takes any key."""
+    return [dotted for section_path, section, unknown, _ in _unknown_by_section(cls, data, path) for key in unknown
+            for dotted in _innermost_keys(section[key], _join(section_path, key))]
+
+
+def _unknown_by_section(cls: type, data: Mapping[str, Any],
+                        path: str) -> list[tuple[str, Mapping[str, Any], list[str], list[str]]]:
+    """(path, section, its keys schema `cls` lacks, its valid keys) for each section of `data` with unknown keys."""
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls) if f.init}
-    found = []
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    unknown = [key for key in data if key not in names]
+    found = [(path, data, unknown, names)] if unknown else []
     for key, value in data.items():
-        dotted = _join(path, key)
-        if key not in names:
-            found += _innermost_keys(value, dotted)
-        elif isinstance(value, Mapping) and (section := _dataclass_in(hints[key])):
-            found += unknown_keys(section, value, dotted)
+        if key in names and isinstance(value, Mapping) and (section := _dataclass_in(hints[key])):
+            found += _unknown_by_section(section, value, _join(path, key))
     return found
 
 
@@ -132,8 +153,8 @@ def with_keys_elsewhere(exc: UnknownKeyError, root: type) -> UnknownKeyError:
     if exc.near:
         return exc
     same_name = [k for k in schema_keys(root) if k.rsplit(".", 1)[-1].lower() == exc.key.lower()]
-    return UnknownKeyError(exc.path, exc.key, exc.candidates, near=same_name[:3], others=exc.others) if same_name \
-        else exc
+    return UnknownKeyError(exc.path, exc.key, exc.candidates, near=same_name[:3], others=exc.others,
+                           elsewhere=exc.elsewhere) if same_name else exc
 
 
 def _join(path: str, key: str) -> str:
