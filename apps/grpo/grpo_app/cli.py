@@ -7,6 +7,7 @@ mistyped option answer at once.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import sys
 
@@ -26,15 +27,55 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                f"  {prog} eval --config RUN_DIR/config.yaml policy.model_name=MODEL_DIR [--samples K]\n"
                "      (mean reward and pass@k on the validation prompts; eval -h)\n"
                "every key and its default: apps/grpo/README.md", formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="YAML config file, or the name of a shipped one (e.g. gpu_1x; default: cpu_default)")
-    parser.add_argument("--log-level", default="INFO", type=str.upper,
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], help="Python logging level")
+    options = [parser.add_argument("--config", help="YAML config file, or the name of a shipped one (e.g. gpu_1x; "
+                                                    "default: cpu_default)"),
+               parser.add_argument("--log-level", default="INFO", type=str.upper,
+                                   choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], help="Python logging level")]
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. grpo.max_steps=5")
+    argv = sys.argv[1:] if argv is None else argv
     # `apps/grpo --config X eval --samples 2`: main dispatches on argv[0] only, and the subcommand's options would be
     # refused as unknown here first
-    for name in sorted(SUBCOMMANDS.keys() & set(sys.argv[1:] if argv is None else argv)):
+    for name in sorted(SUBCOMMANDS.keys() & set(argv)):
         parser.error(f"'{name}' is a subcommand and comes first: {prog} {name} [its options] (see {name} -h)")
+    own = {"-h", "--help"} | {string for action in options for string in action.option_strings}
+    if foreign := dashed_settings(argv, own):
+        known, _ = parser.parse_known_intermixed_args(argv)  # the --config and overrides given with them
+        parser.error(explain_dashed_settings(foreign, known.config, [o for o in known.overrides if "=" in o]))
     return parser.parse_intermixed_args(argv)  # overrides may come before and after --config
+
+
+def dashed_settings(argv: list[str], own: set[str]) -> dict[str, str]:
+    """The `--name value`, `--name=value` and bare `--flag` (true) of `argv` that are not options of this command,
+    nor abbreviations of one (argparse takes them) or misspellings (argparse refuses them): name -> value as written."""
+    found = {}
+    for i, arg in enumerate(argv):
+        name, equals, value = arg.partition("=")
+        if not arg.startswith("--") or arg == "--" or any(option.startswith(name) for option in own) \
+                or difflib.get_close_matches(name, own, n=1, cutoff=0.8):
+            continue
+        if not equals:
+            follows = argv[i + 1] if i + 1 < len(argv) else ""
+            value = follows if follows and not follows.startswith("--") and "=" not in follows else "true"
+        found[name[2:]] = value
+    return found
+
+
+def explain_dashed_settings(settings: dict[str, str], config: str | None, overrides: list[str]) -> str:
+    """What `--name value` settings are here, read as the overrides `name=value` (after `config` and `overrides`):
+    TRL's flags (`trl grpo --learning_rate 1e-6`) get the whole port (grpo_app.ported_configs), this config's keys the
+    overrides to write."""
+    from grpo_app.config import load_config
+    from rl_core.config import ConfigError
+
+    flags = ", ".join(f"--{name}" for name in settings)
+    rewritten = [f"{name}={value}" for name, value in settings.items()]
+    intro = (f"{flags}: {'not options' if len(settings) > 1 else 'not an option'} of this command; every setting "
+             "here is a dotted key=value override, without dashes")
+    try:
+        load_config(config, overrides + rewritten)
+    except (ConfigError, OSError) as exc:
+        return f"{intro}. Read as overrides ({' '.join(rewritten)}): {exc}"
+    return f"{intro}: {' '.join(rewritten)}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -757,6 +757,33 @@ def test_command_line_takes_overrides_around_config_and_checks_the_log_level(cap
     assert exit_info.value.code == 2 and "invalid choice: 'VERBOSE'" in capsys.readouterr().err
 
 
+def test_settings_given_as_dashed_options_say_what_to_write(capsys):
+    """`--learning_rate 1e-6` (TRL's `trl grpo` flags) and `--grpo.max_steps 5` were "unrecognized arguments" and no
+    more: the first gets TRL's port, the second the overrides to write instead."""
+    from grpo_app.cli import parse_args
+
+    def error_of(argv: list[str]) -> str:
+        with pytest.raises(SystemExit) as exit_info:
+            parse_args(argv)
+        assert exit_info.value.code == 2
+        return capsys.readouterr().err.splitlines()[-2:]
+
+    first, second = error_of(["--model_name_or_path", "m", "--learning_rate", "1e-6", "--num_generations=8", "--bf16"])
+    assert first.startswith("uv run apps/grpo: error: --model_name_or_path, --learning_rate, --num_generations, --bf16: "
+                            "not options of this command; every setting here is a dotted key=value override, without "
+                            "dashes. Read as overrides (model_name_or_path=m learning_rate=1e-6 num_generations=8 "
+                            "bf16=true): unknown config key 'model_name_or_path'")
+    assert first.endswith("This config uses TRL's names; here they are spelled: model_name_or_path -> policy.model_name, "
+                          "learning_rate -> policy.optimizer.kwargs.lr, num_generations -> grpo.num_generations_per_prompt")
+    assert second == "set otherwise here: bf16=true -> policy.precision=bfloat16"
+    *_, ours = error_of(["grpo.seed=3", "--grpo.max_steps", "5", "--config", "cpu_default", "--loss.kl_coef=0.1"])
+    assert ours.endswith("--grpo.max_steps, --loss.kl_coef: not options of this command; every setting here is a dotted "
+                         "key=value override, without dashes: grpo.max_steps=5 loss.kl_coef=0.1")
+    *_, typo = error_of(["--grpo.max_stepz", "5"])  # read as the override, it gets the override's own error
+    assert "Read as overrides (grpo.max_stepz=5): unknown config key 'grpo.max_stepz'; did you mean 'grpo.max_steps'?" in typo
+    assert parse_args(["--conf", "gpu_1x", "--log-level=debug"]).config == "gpu_1x"  # argparse's abbreviations stay
+
+
 def test_a_run_checkpoint_as_the_model_names_its_hf_copy_or_export(tmp_path):
     """`eval policy.model_name=run/checkpoints/step_N` (or the run directory) is what a user tries first: the error
     names the checkpoint's hf/ when it has one, else the export command, instead of 'no config.json'."""
