@@ -5,7 +5,8 @@ and so did a verl command line (`actor_rollout_ref.actor.optim.lr=1e-6 data.trai
 `trl grpo --config` YAML (GRPOConfig's flat fields). The first unknown key of a config in any of their names now comes
 with the whole port: the keys spelled otherwise here, those that take another value or other keys, those with no
 counterpart, and the OmegaConf interpolations to write out. The engine sections (`policy.dtensor_cfg`,
-`policy.megatron_cfg`) are the engine's to check, next.
+`policy.megatron_cfg`) are the engine's to check, next; NeMo-RL's keys there that no engine here reads are in its
+table, and an engine's error about its section comes with their port (`explain_engine_error`).
 """
 
 from __future__ import annotations
@@ -85,6 +86,24 @@ NEMO_RL = Framework("NeMo-RL", keys={
     # NeMo-RL names each environment's section; here one env section, the environment named by env.name
     "env.math": lambda value, _: "env.name=math" + (f", env.num_workers={value['num_workers']}"
                                                     if isinstance(value, dict) and "num_workers" in value else ""),
+    # its engine sections' keys that no engine here reads (each engine checks its own section; explain_engine_error)
+    "policy.dtensor_cfg._v2": lambda value, _: "nothing to set (one DTensor engine here)",
+    "policy.dtensor_cfg.context_parallel_size": lambda value, _: "nothing to set" if value == 1 else (
+        "policy.megatron_cfg.context_parallel_size (context parallelism is the Megatron engine's here)"),
+    "policy.dtensor_cfg.custom_parallel_plan": lambda value, _: "nothing to set" if value is None else (
+        "no counterpart here (the tensor-parallel plan is engine_dtensor's own, for each supported architecture)"),
+    "policy.megatron_cfg.converter_type": lambda value, _: (
+        "nothing to set (ckpt-convert reads the architecture from the model's config.json)"),
+    "policy.megatron_cfg.empty_unused_memory_level": lambda value, _: "nothing to set",
+    "policy.megatron_cfg.defer_fp32_logits": lambda value, _: (
+        "nothing to set (half-precision logits, upcast to fp32 in chunks of policy.logprob_chunk_tokens)"),
+    "policy.megatron_cfg.freeze_moe_router": lambda value, _: "nothing to set" if not value else (
+        "no counterpart here (the router trains with the other weights)"),
+    "policy.megatron_cfg.fp8_cfg": lambda value, _: "nothing to set" if not (isinstance(value, dict) and value.get("enabled")) else (
+        "no counterpart here (no FP8 training)"),
+    **{f"policy.{section}.env_vars": lambda value, _: "nothing to set" if not value else (
+        "export them before the command (a local Ray's workers inherit the driver's environment)")
+       for section in ("dtensor_cfg", "megatron_cfg")},
 })
 
 ACTOR, ROLLOUT = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
@@ -307,8 +326,7 @@ def port_summary(framework: Framework, data: dict, schema: type) -> str:
     interpolations = {key: leaves[key] for key in ours if key not in no_counterpart
                       and isinstance(leaves[key], str) and "${" in leaves[key]}
     renamed = {k: v for k, v in renames(framework, data, schema).items() if k not in settings}
-    lines = ["here they are spelled: " + ", ".join(f"{k} -> {v}" for k, v in renamed.items()) if renamed
-             else "none of them is only renamed"]
+    lines = ["here they are spelled: " + ", ".join(f"{k} -> {v}" for k, v in renamed.items())] if renamed else []
     if settings:
         lines.append("set otherwise here: " + "; ".join(f"{k}={_short_value(values[k])} -> {note}"
                                                         for k, note in settings.items()))
@@ -319,6 +337,18 @@ def port_summary(framework: Framework, data: dict, schema: type) -> str:
         lines.append("OmegaConf interpolations, not read here (write the value): "
                      + ", ".join(f"{k}={v}" for k, v in interpolations.items()))
     return "\n".join(lines)
+
+
+def explain_engine_error(exc: ConfigError, engine_sections: dict[str, Any], schema: type) -> ConfigError:
+    """`exc`, an engine's error about its own section of `policy` (`engine_sections`: each engine section's name and
+    mapping), followed by those sections' port where they use another framework's names: the port of the rest of the
+    config came with its first unknown key, before the engines checked theirs."""
+    data = {"policy": engine_sections}
+    framework = framework_of(data, schema)
+    if framework is None:
+        return exc
+    return ConfigError(f"{str(exc).rstrip('.')}. The engine sections use {framework.name}'s names; "
+                       f"{port_summary(framework, data, schema)}")
 
 
 def explain_unknown_key(exc: UnknownKeyError, data: dict, schema: type) -> ConfigError:

@@ -34,7 +34,9 @@ from grpo_app.config import EnvConfig, GRPOConfig, WandbConfig
 from grpo_app.devices import check_hardware, detect_hardware
 from grpo_app.model_check import check_model_dir
 from grpo_app.model_shapes import SHAPE_PREFIX, cached_shape_checkpoint
+from grpo_app.ported_configs import explain_engine_error
 from rl_core.config import (
+    BUILTIN_ENGINE_SECTIONS,
     ConfigError,
     OptimizerConfig,
     PolicyConfig,
@@ -589,7 +591,11 @@ def preflight(cfg: GRPOConfig, *, training: bool = True) -> GRPOConfig:
     check_bounds(cfg)
     check_optimizer(cfg.policy.optimizer)
     engine_cls = ENGINES.get(cfg.policy.engine_name, config_key=cfg.policy.engine_config_key)
-    engine_cfg = engine_cls.validate_config(cfg.policy) if isinstance(engine_cls, ValidatesConfig) else None
+    try:
+        engine_cfg = engine_cls.validate_config(cfg.policy) if isinstance(engine_cls, ValidatesConfig) else None
+    except ConfigError as exc:  # with the port of a NeMo-RL config's engine sections, if it is one
+        sections = {section: getattr(cfg.policy, section) for section in BUILTIN_ENGINE_SECTIONS.values()}
+        raise explain_engine_error(exc, sections, GRPOConfig) from None
     backend_cls = GENERATION_BACKENDS.get(cfg.generation.backend, config_key="generation.backend")
     if training:
         check_plugins_reach_workers(cfg, engine_cls)

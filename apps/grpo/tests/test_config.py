@@ -148,11 +148,13 @@ def test_a_nemo_rl_config_gets_its_whole_port_in_one_error(tmp_path):
     assert settings.split(": ", 1)[1].split("; ") == [
         "policy.max_total_sequence_length=40 -> env.max_prompt_tokens and generation.max_new_tokens (the prompt and "
         "the completion are bounded apart here, together at most 40)",
+        "policy.megatron_cfg.converter_type=Qwen2ForCausalLM -> nothing to set (ckpt-convert reads the architecture "
+        "from the model's config.json)",
         "loss_fn.token_level_loss=false -> loss.agg=seq-mean-token-mean", "env.math={...} -> env.name=math, "
         "env.num_workers=2", "checkpointing.metric_name=val_reward -> checkpointing.metric=val/reward_mean"]
     assert removed.startswith("no counterpart here (remove them") and set(removed.split("): ", 1)[1].split(", ")) == {
         "policy.tokenizer.name", "policy.generation.colocated.resources.gpus_per_node", "grpo.max_rollout_turns",
-        "loss_fn.use_on_policy_kl_approximation", "data.shuffle"}  # megatron_cfg's keys are the engine's to check
+        "loss_fn.use_on_policy_kl_approximation", "data.shuffle"}  # an engine section's other keys: the engine's to check
     assert interpolations.endswith(": policy.generation.max_new_tokens=${policy.max_total_sequence_length}")
     cfg = load_config(write(tmp_path / "ours.yaml", PORTED))
     assert (cfg.grpo.max_steps, cfg.loss.eps_low, cfg.loss.agg, cfg.env.name, cfg.env.num_workers) == (

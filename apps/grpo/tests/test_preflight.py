@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import ray
+import yaml
 
 from grpo_app.config import DEFAULT_CONFIG, GRPOConfig, load_config
 from grpo_app.main import main
@@ -755,6 +756,41 @@ def test_command_line_takes_overrides_around_config_and_checks_the_log_level(cap
     with pytest.raises(SystemExit) as exit_info:  # argparse's one-line usage error, not a logging traceback
         parse_args(["--log-level", "verbose"])
     assert exit_info.value.code == 2 and "invalid choice: 'VERBOSE'" in capsys.readouterr().err
+
+
+# NeMo-RL's engine sections as its examples/configs/grpo_math_1B.yaml writes them (shortened)
+NEMO_RL_ENGINE_SECTIONS = {
+    "dtensor_cfg": {"_v2": True, "cpu_offload": False, "tensor_parallel_size": 1, "context_parallel_size": 1,
+                    "custom_parallel_plan": None},
+    "megatron_cfg": {"empty_unused_memory_level": 0, "converter_type": "Qwen2ForCausalLM",
+                     "tensor_model_parallel_size": 1, "freeze_moe_router": False, "defer_fp32_logits": None,
+                     "apply_rope_fusion": False, "fp8_cfg": None, "env_vars": None},
+}
+# what each engine section keeps, written by hand: the keys both engines here have by those names
+NEMO_RL_ENGINE_SECTIONS_PORTED = {"dtensor_cfg": {"cpu_offload": False, "tensor_parallel_size": 1},
+                                  "megatron_cfg": {"tensor_model_parallel_size": 1, "apply_rope_fusion": False}}
+
+
+@pytest.mark.parametrize("engine", ["dtensor", "megatron"])
+def test_nemo_rl_engine_sections_get_their_port_with_the_engines_error(engine):
+    """The port of a NeMo-RL config left its engine sections to the engines, whose errors named NeMo-RL's own keys
+    as unknown (suggesting 'tensor_parallel_size' for `context_parallel_size`): each is said what it is here, and
+    once the port's keys are gone the sections validate."""
+    def overrides(sections: dict) -> list[str]:
+        switch = {"dtensor_cfg": engine == "dtensor", "megatron_cfg": engine == "megatron"}
+        return [f"policy.{name}={yaml.safe_dump({**keys, 'enabled': switch[name]}, default_flow_style=True).strip()}"
+                for name, keys in sections.items()]
+
+    with pytest.raises(ConfigError) as raised:
+        preflight(load_config(None, overrides(NEMO_RL_ENGINE_SECTIONS)))
+    message = str(raised.value)
+    assert f"unknown config key{'s' * (engine == 'megatron')} 'policy.{engine}_cfg." in message
+    said = {item.split("=", 1)[0] for item in
+            message.split("The engine sections use NeMo-RL's names; set otherwise here: ")[1].split("; ")}
+    assert said == {f"policy.{section}.{key}" for section, keys in NEMO_RL_ENGINE_SECTIONS.items() for key in keys
+                    if key not in NEMO_RL_ENGINE_SECTIONS_PORTED[section]}
+    assert "policy.megatron_cfg.converter_type=Qwen2ForCausalLM -> nothing to set (ckpt-convert reads" in message
+    preflight(load_config(None, overrides(NEMO_RL_ENGINE_SECTIONS_PORTED)))
 
 
 def test_settings_given_as_dashed_options_say_what_to_write(capsys):

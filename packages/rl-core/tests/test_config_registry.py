@@ -183,7 +183,8 @@ def test_options_of_the_engine_not_running_are_a_warning(kwargs, unused, caplog,
         dataclasses.replace(policy, model_name="/resolved/m")
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert [w.split(" ")[0] for w in warnings] == ([unused] if unused else [])
-    assert not unused or "is unused" in warnings[0]
+    options = [key for key in kwargs[unused.removeprefix("policy.")] if key != "enabled"] if unused else []
+    assert not unused or f"{unused} ({', '.join(options)}) is unused" in warnings[0]  # the keys, not their values
 
 
 @pytest.mark.parametrize("kwargs,section,runs,goes", [

@@ -458,7 +458,7 @@ class PolicyConfig:
                                   f"{self.engine_options_key}.lora_cfg (the same keys), or run the engine of "
                                   f"policy.{section}")
             if unused and name != self.engine_name:
-                _warn_once(f"policy.{section} {unused} is unused: the {self.engine_name!r} engine runs "
+                _warn_once(f"policy.{section} ({', '.join(unused)}) is unused: the {self.engine_name!r} engine runs "
                            f"({self.engine_config_key}); its options are {self.engine_options_key}")
 
     def _own_options(self, name: str) -> dict[str, Any]:
