@@ -12,11 +12,19 @@ table, and an engine's error about its section comes with their port (`explain_e
 from __future__ import annotations
 
 import copy
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rl_core.config import ConfigError, UnknownKeyError, schema_keys, unknown_keys, with_keys_elsewhere
+from rl_core.config import (
+    ConfigError,
+    SequencePackingConfig,
+    UnknownKeyError,
+    schema_keys,
+    unknown_keys,
+    with_keys_elsewhere,
+)
 
 # A setting: what to write here instead of a key, given its value and the whole config (dotted key -> value), or None
 # when the key's rename says it all.
@@ -39,6 +47,9 @@ def _vllm_kwargs(prefix: str, names: dict[str, str]) -> dict[str, str]:
     return {f"{prefix}.{theirs}": f"generation.backend_kwargs.{ours}" for theirs, ours in names.items()}
 
 
+SEQPACK_ALGORITHMS = typing.get_args(typing.get_type_hints(SequencePackingConfig)["algorithm"])
+# NeMo-RL's packing algorithms (nemo_rl/data/packing) by seqpack's names for them
+NEMO_RL_PACKERS = {"modified_first_fit_decreasing": "mffd", "first_fit_decreasing": "ffd", "concatenative": "concat"}
 NEMO_RL = Framework("NeMo-RL", keys={
     "grpo.max_num_steps": "grpo.max_steps",
     "grpo.normalize_rewards": "grpo.normalize_std",
@@ -86,6 +97,19 @@ NEMO_RL = Framework("NeMo-RL", keys={
     # NeMo-RL names each environment's section; here one env section, the environment named by env.name
     "env.math": lambda value, _: "env.name=math" + (f", env.num_workers={value['num_workers']}"
                                                     if isinstance(value, dict) and "num_workers" in value else ""),
+    "grpo.max_num_epochs": lambda value, _: (
+        "grpo.max_steps (steps here: epochs x training prompts / grpo.num_prompts_per_step; the prompts repeat, "
+        "reshuffled, epoch after epoch)"),
+    "grpo.max_rollout_turns": lambda value, _: "nothing to set" if value == 1 else (
+        "no counterpart here (single-turn rollouts)"),
+    "grpo.val_at_start": lambda value, _: "nothing to set (a run validates before its first step)",
+    "policy.generation_batch_size": lambda value, _: "nothing to set (generation batches continuously here)",
+    "policy.sequence_packing.algorithm": lambda value, _: None if value in SEQPACK_ALGORITHMS else (
+        f"policy.sequence_packing.algorithm={NEMO_RL_PACKERS[value]}" if value in NEMO_RL_PACKERS else
+        f"policy.sequence_packing.algorithm={' or '.join(SEQPACK_ALGORITHMS)} (no {value} here)"),
+    **{f"policy.{section}": lambda value, _: "nothing to set (a packed sequence is padded to the multiple the "
+                                              "engine's parallelism needs, no more)"
+       for section in ("sequence_packing.sequence_length_round", "make_sequence_length_divisible_by")},
     # its engine sections' keys that no engine here reads (each engine checks its own section; explain_engine_error)
     "policy.dtensor_cfg._v2": lambda value, _: "nothing to set (one DTensor engine here)",
     "policy.dtensor_cfg.context_parallel_size": lambda value, _: "nothing to set" if value == 1 else (

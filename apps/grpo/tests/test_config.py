@@ -112,6 +112,7 @@ policy:
   max_total_sequence_length: 40
   tokenizer: {name: m}
   megatron_cfg: {enabled: false, converter_type: Qwen2ForCausalLM}
+  sequence_packing: {enabled: true, algorithm: modified_first_fit_decreasing, sequence_length_round: 64}
   generation:
     max_new_tokens: ${policy.max_total_sequence_length}
     colocated: {enabled: true, resources: {gpus_per_node: null}}
@@ -123,7 +124,7 @@ checkpointing: {metric_name: val_reward}
 """
 # the same run in this schema's names, written by hand from NeMo-RL's docs
 PORTED = """\
-policy: {model_name: m}
+policy: {model_name: m, sequence_packing: {enabled: true, algorithm: mffd}}
 generation: {max_new_tokens: 24, colocated: true}
 env: {name: math, num_workers: 2, max_prompt_tokens: 16, train_data: train.jsonl}
 grpo: {max_steps: 7}
@@ -150,15 +151,19 @@ def test_a_nemo_rl_config_gets_its_whole_port_in_one_error(tmp_path):
         "the completion are bounded apart here, together at most 40)",
         "policy.megatron_cfg.converter_type=Qwen2ForCausalLM -> nothing to set (ckpt-convert reads the architecture "
         "from the model's config.json)",
+        "policy.sequence_packing.algorithm=modified_first_fit_decreasing -> policy.sequence_packing.algorithm=mffd",
+        "policy.sequence_packing.sequence_length_round=64 -> nothing to set (a packed sequence is padded to the "
+        "multiple the engine's parallelism needs, no more)", "grpo.max_rollout_turns=1 -> nothing to set",
         "loss_fn.token_level_loss=false -> loss.agg=seq-mean-token-mean", "env.math={...} -> env.name=math, "
         "env.num_workers=2", "checkpointing.metric_name=val_reward -> checkpointing.metric=val/reward_mean"]
     assert removed.startswith("no counterpart here (remove them") and set(removed.split("): ", 1)[1].split(", ")) == {
-        "policy.tokenizer.name", "policy.generation.colocated.resources.gpus_per_node", "grpo.max_rollout_turns",
+        "policy.tokenizer.name", "policy.generation.colocated.resources.gpus_per_node",
         "loss_fn.use_on_policy_kl_approximation", "data.shuffle"}  # an engine section's other keys: the engine's to check
     assert interpolations.endswith(": policy.generation.max_new_tokens=${policy.max_total_sequence_length}")
     cfg = load_config(write(tmp_path / "ours.yaml", PORTED))
     assert (cfg.grpo.max_steps, cfg.loss.eps_low, cfg.loss.agg, cfg.env.name, cfg.env.num_workers) == (
         7, 0.1, "seq-mean-token-mean", "math", 2)
+    assert cfg.policy.sequence_packing.algorithm == "mffd"
 
 
 VERL_COMMAND_LINE = [  # verl's examples/grpo_trainer/run_qwen2-7b.sh, shortened
