@@ -103,6 +103,14 @@ NEMO_RL = Framework("NeMo-RL", keys={
     "grpo.max_rollout_turns": lambda value, _: "nothing to set" if value == 1 else (
         "no counterpart here (single-turn rollouts)"),
     "grpo.val_at_start": lambda value, _: "nothing to set (a run validates before its first step)",
+    "policy.generation.top_k": lambda value, _: "generation.top_k=0 (off)" if value in (None, -1) else None,
+    **{f"policy.generation.{key}": lambda value, _: "nothing to set (a completion ends at the tokenizer's end of "
+                                                    "sequence)" if value is None else "no counterpart here"
+       for key in ("stop_token_ids", "stop_strings")},
+    "data.shuffle": lambda value, _: "nothing to set (the prompts are reshuffled every epoch)" if value else (
+        "no counterpart here (the prompts are always reshuffled every epoch)"),
+    "data.system_prompt_file": lambda value, _: "nothing to set" if value is None else (
+        "env.system_prompt=<the file's text>"),
     "policy.generation_batch_size": lambda value, _: "nothing to set (generation batches continuously here)",
     "policy.sequence_packing.algorithm": lambda value, _: None if value in SEQPACK_ALGORITHMS else (
         f"policy.sequence_packing.algorithm={NEMO_RL_PACKERS[value]}" if value in NEMO_RL_PACKERS else

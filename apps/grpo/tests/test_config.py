@@ -115,6 +115,7 @@ policy:
   sequence_packing: {enabled: true, algorithm: modified_first_fit_decreasing, sequence_length_round: 64}
   generation:
     max_new_tokens: ${policy.max_total_sequence_length}
+    top_k: null
     colocated: {enabled: true, resources: {gpus_per_node: null}}
 grpo: {max_num_steps: 7, max_rollout_turns: 1}
 loss_fn: {ratio_clip_min: 0.1, token_level_loss: false, use_on_policy_kl_approximation: false}
@@ -153,12 +154,14 @@ def test_a_nemo_rl_config_gets_its_whole_port_in_one_error(tmp_path):
         "from the model's config.json)",
         "policy.sequence_packing.algorithm=modified_first_fit_decreasing -> policy.sequence_packing.algorithm=mffd",
         "policy.sequence_packing.sequence_length_round=64 -> nothing to set (a packed sequence is padded to the "
-        "multiple the engine's parallelism needs, no more)", "grpo.max_rollout_turns=1 -> nothing to set",
-        "loss_fn.token_level_loss=false -> loss.agg=seq-mean-token-mean", "env.math={...} -> env.name=math, "
+        "multiple the engine's parallelism needs, no more)", "policy.generation.top_k=null -> generation.top_k=0 (off)",
+        "grpo.max_rollout_turns=1 -> nothing to set",
+        "loss_fn.token_level_loss=false -> loss.agg=seq-mean-token-mean",
+        "data.shuffle=true -> nothing to set (the prompts are reshuffled every epoch)", "env.math={...} -> env.name=math, "
         "env.num_workers=2", "checkpointing.metric_name=val_reward -> checkpointing.metric=val/reward_mean"]
     assert removed.startswith("no counterpart here (remove them") and set(removed.split("): ", 1)[1].split(", ")) == {
         "policy.tokenizer.name", "policy.generation.colocated.resources.gpus_per_node",
-        "loss_fn.use_on_policy_kl_approximation", "data.shuffle"}  # an engine section's other keys: the engine's to check
+        "loss_fn.use_on_policy_kl_approximation"}  # an engine section's other keys: the engine's to check
     assert interpolations.endswith(": policy.generation.max_new_tokens=${policy.max_total_sequence_length}")
     cfg = load_config(write(tmp_path / "ours.yaml", PORTED))
     assert (cfg.grpo.max_steps, cfg.loss.eps_low, cfg.loss.agg, cfg.env.name, cfg.env.num_workers) == (
