@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import ray
-import yaml
 
 from grpo_app.config import DEFAULT_CONFIG, GRPOConfig, load_config
 from grpo_app.main import main
@@ -746,78 +745,6 @@ def test_model_the_generation_backend_can_run_passes(tmp_path):
     for path, kwargs in [(sliding, []), (sliding, ["generation.backend_kwargs.decode=dense"]),
                          (gemma, ["generation.backend_kwargs.attn_implementation=eager"])]:
         preflight(load_config(None, [f"policy.model_name={path}", *kwargs]))
-
-
-def test_command_line_takes_overrides_around_config_and_checks_the_log_level(capsys):
-    from grpo_app.cli import parse_args
-
-    args = parse_args(["grpo.max_steps=1", "--config", "gpu_1x", "grpo.seed=3", "--log-level", "debug"])
-    assert (args.config, args.overrides, args.log_level) == ("gpu_1x", ["grpo.max_steps=1", "grpo.seed=3"], "DEBUG")
-    with pytest.raises(SystemExit) as exit_info:  # argparse's one-line usage error, not a logging traceback
-        parse_args(["--log-level", "verbose"])
-    assert exit_info.value.code == 2 and "invalid choice: 'VERBOSE'" in capsys.readouterr().err
-
-
-# NeMo-RL's engine sections as its examples/configs/grpo_math_1B.yaml writes them (shortened)
-NEMO_RL_ENGINE_SECTIONS = {
-    "dtensor_cfg": {"_v2": True, "cpu_offload": False, "tensor_parallel_size": 1, "context_parallel_size": 1,
-                    "custom_parallel_plan": None},
-    "megatron_cfg": {"empty_unused_memory_level": 0, "converter_type": "Qwen2ForCausalLM",
-                     "tensor_model_parallel_size": 1, "freeze_moe_router": False, "defer_fp32_logits": None,
-                     "apply_rope_fusion": False, "fp8_cfg": None, "env_vars": None},
-}
-# what each engine section keeps, written by hand: the keys both engines here have by those names
-NEMO_RL_ENGINE_SECTIONS_PORTED = {"dtensor_cfg": {"cpu_offload": False, "tensor_parallel_size": 1},
-                                  "megatron_cfg": {"tensor_model_parallel_size": 1, "apply_rope_fusion": False}}
-
-
-@pytest.mark.parametrize("engine", ["dtensor", "megatron"])
-def test_nemo_rl_engine_sections_get_their_port_with_the_engines_error(engine):
-    """The port of a NeMo-RL config left its engine sections to the engines, whose errors named NeMo-RL's own keys
-    as unknown (suggesting 'tensor_parallel_size' for `context_parallel_size`): each is said what it is here, and
-    once the port's keys are gone the sections validate."""
-    def overrides(sections: dict) -> list[str]:
-        switch = {"dtensor_cfg": engine == "dtensor", "megatron_cfg": engine == "megatron"}
-        return [f"policy.{name}={yaml.safe_dump({**keys, 'enabled': switch[name]}, default_flow_style=True).strip()}"
-                for name, keys in sections.items()]
-
-    with pytest.raises(ConfigError) as raised:
-        preflight(load_config(None, overrides(NEMO_RL_ENGINE_SECTIONS)))
-    message = str(raised.value)
-    assert f"unknown config key{'s' * (engine == 'megatron')} 'policy.{engine}_cfg." in message
-    said = {item.split("=", 1)[0] for item in
-            message.split("The engine sections use NeMo-RL's names; set otherwise here: ")[1].split("; ")}
-    assert said == {f"policy.{section}.{key}" for section, keys in NEMO_RL_ENGINE_SECTIONS.items() for key in keys
-                    if key not in NEMO_RL_ENGINE_SECTIONS_PORTED[section]}
-    assert "policy.megatron_cfg.converter_type=Qwen2ForCausalLM -> nothing to set (ckpt-convert reads" in message
-    preflight(load_config(None, overrides(NEMO_RL_ENGINE_SECTIONS_PORTED)))
-
-
-def test_settings_given_as_dashed_options_say_what_to_write(capsys):
-    """`--learning_rate 1e-6` (TRL's `trl grpo` flags) and `--grpo.max_steps 5` were "unrecognized arguments" and no
-    more: the first gets TRL's port, the second the overrides to write instead."""
-    from grpo_app.cli import parse_args
-
-    def error_of(argv: list[str]) -> str:
-        with pytest.raises(SystemExit) as exit_info:
-            parse_args(argv)
-        assert exit_info.value.code == 2
-        return capsys.readouterr().err.splitlines()[-2:]
-
-    first, second = error_of(["--model_name_or_path", "m", "--learning_rate", "1e-6", "--num_generations=8", "--bf16"])
-    assert first.startswith("uv run apps/grpo: error: --model_name_or_path, --learning_rate, --num_generations, --bf16: "
-                            "not options of this command; every setting here is a dotted key=value override, without "
-                            "dashes. Read as overrides (model_name_or_path=m learning_rate=1e-6 num_generations=8 "
-                            "bf16=true): unknown config key 'model_name_or_path'")
-    assert first.endswith("This config uses TRL's names; here they are spelled: model_name_or_path -> policy.model_name, "
-                          "learning_rate -> policy.optimizer.kwargs.lr, num_generations -> grpo.num_generations_per_prompt")
-    assert second == "set otherwise here: bf16=true -> policy.precision=bfloat16"
-    *_, ours = error_of(["grpo.seed=3", "--grpo.max_steps", "5", "--config", "cpu_default", "--loss.kl_coef=0.1"])
-    assert ours.endswith("--grpo.max_steps, --loss.kl_coef: not options of this command; every setting here is a dotted "
-                         "key=value override, without dashes: grpo.max_steps=5 loss.kl_coef=0.1")
-    *_, typo = error_of(["--grpo.max_stepz", "5"])  # read as the override, it gets the override's own error
-    assert "Read as overrides (grpo.max_stepz=5): unknown config key 'grpo.max_stepz'; did you mean 'grpo.max_steps'?" in typo
-    assert parse_args(["--conf", "gpu_1x", "--log-level=debug"]).config == "gpu_1x"  # argparse's abbreviations stay
 
 
 def test_a_run_checkpoint_as_the_model_names_its_hf_copy_or_export(tmp_path):

@@ -1,6 +1,6 @@
-"""The trainer's usage lines and the commands its messages suggest name the command that was run: `grpo`, the
-console script the grpo-app wheel installs, or `uv run apps/grpo`, the apps/grpo directory (`usage: uv run apps/grpo`
-was printed whichever ran)."""
+"""The command line (grpo_app.cli): overrides around --config, settings given as --options, and the usage lines and
+the commands its messages suggest, which name the command that was run: `grpo`, the console script the grpo-app wheel
+installs, or `uv run apps/grpo`, the apps/grpo directory (`usage: uv run apps/grpo` was printed whichever ran)."""
 
 from __future__ import annotations
 
@@ -57,3 +57,40 @@ def test_the_installed_script_and_the_directory_print_their_own_usage_without_im
             assert proc.returncode == code and usage in out, proc.stdout[:500] + proc.stderr[-2000:]
             imported = {line.rsplit("|", 1)[-1].strip() for line in log}
             assert "grpo_app.cli" in imported and not imported & {"torch", "ray", "grpo_app.main"}, (args, command)
+
+
+def test_command_line_takes_overrides_around_config_and_checks_the_log_level(capsys):
+    from grpo_app.cli import parse_args
+
+    args = parse_args(["grpo.max_steps=1", "--config", "gpu_1x", "grpo.seed=3", "--log-level", "debug"])
+    assert (args.config, args.overrides, args.log_level) == ("gpu_1x", ["grpo.max_steps=1", "grpo.seed=3"], "DEBUG")
+    with pytest.raises(SystemExit) as exit_info:  # argparse's one-line usage error, not a logging traceback
+        parse_args(["--log-level", "verbose"])
+    assert exit_info.value.code == 2 and "invalid choice: 'VERBOSE'" in capsys.readouterr().err
+
+
+def test_settings_given_as_dashed_options_say_what_to_write(capsys):
+    """`--learning_rate 1e-6` (TRL's `trl grpo` flags) and `--grpo.max_steps 5` were "unrecognized arguments" and no
+    more: the first gets TRL's port, the second the overrides to write instead."""
+    from grpo_app.cli import parse_args
+
+    def error_of(argv: list[str]) -> str:
+        with pytest.raises(SystemExit) as exit_info:
+            parse_args(argv)
+        assert exit_info.value.code == 2
+        return capsys.readouterr().err.splitlines()[-2:]
+
+    first, second = error_of(["--model_name_or_path", "m", "--learning_rate", "1e-6", "--num_generations=8", "--bf16"])
+    assert first.startswith("uv run apps/grpo: error: --model_name_or_path, --learning_rate, --num_generations, --bf16: "
+                            "not options of this command; every setting here is a dotted key=value override, without "
+                            "dashes. Read as overrides (model_name_or_path=m learning_rate=1e-6 num_generations=8 "
+                            "bf16=true): unknown config key 'model_name_or_path'")
+    assert first.endswith("This config uses TRL's names; here they are spelled: model_name_or_path -> policy.model_name, "
+                          "learning_rate -> policy.optimizer.kwargs.lr, num_generations -> grpo.num_generations_per_prompt")
+    assert second == "set otherwise here: bf16=true -> policy.precision=bfloat16"
+    *_, ours = error_of(["grpo.seed=3", "--grpo.max_steps", "5", "--config", "cpu_default", "--loss.kl_coef=0.1"])
+    assert ours.endswith("--grpo.max_steps, --loss.kl_coef: not options of this command; every setting here is a dotted "
+                         "key=value override, without dashes: grpo.max_steps=5 loss.kl_coef=0.1")
+    *_, typo = error_of(["--grpo.max_stepz", "5"])  # read as the override, it gets the override's own error
+    assert "Read as overrides (grpo.max_stepz=5): unknown config key 'grpo.max_stepz'; did you mean 'grpo.max_steps'?" in typo
+    assert parse_args(["--conf", "gpu_1x", "--log-level=debug"]).config == "gpu_1x"  # argparse's abbreviations stay
