@@ -154,6 +154,7 @@ VERL = Framework("verl", keys={
     f"{ACTOR}.clip_ratio_c": "loss.dual_clip",
     f"{ACTOR}.loss_agg_mode": "loss.agg",
     f"{ACTOR}.fsdp_config.param_offload": "policy.dtensor_cfg.cpu_offload",
+    f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu": "policy.logprob_batch_size",
     f"{ROLLOUT}.n": "grpo.num_generations_per_prompt",
     f"{ROLLOUT}.temperature": "generation.temperature",
     f"{ROLLOUT}.top_p": "generation.top_p",
@@ -192,6 +193,32 @@ VERL = Framework("verl", keys={
     f"{ACTOR}.clip_ratio": lambda value, _: f"loss.eps_low={value}, loss.eps_high={value}",
     f"{ACTOR}.optim.lr_warmup_steps": lambda value, _: f"policy.scheduler.warmup_steps={max(value, 0)}"
         if isinstance(value, int) else None,
+    # FSDP2's CPU offload here moves the parameters, gradients and optimizer state together
+    f"{ACTOR}.fsdp_config.optimizer_offload": lambda value, config: f"read with {ACTOR}.fsdp_config.param_offload "
+        "(policy.dtensor_cfg.cpu_offload offloads the optimizer state with the parameters)"
+        if f"{ACTOR}.fsdp_config.param_offload" in config else f"policy.dtensor_cfg.cpu_offload={_short_value(value)} "
+        "(with the parameters and gradients)",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": lambda value, _: (
+        "policy.logprob_batch_size (one for the policy's and the reference's logprobs)"),
+    # verl's padding-free batches (use_remove_padding) are sequence packing here; its token budgets per GPU are the
+    # micro-batches' here, under the section of the batching that is on
+    "actor_rollout_ref.model.use_remove_padding": lambda value, _: (
+        f"policy.sequence_packing.enabled={_short_value(value)}"),
+    f"{ACTOR}.use_dynamic_bsz": lambda value, config: "read with actor_rollout_ref.model.use_remove_padding (above)"
+        if config.get("actor_rollout_ref.model.use_remove_padding") else (
+            f"policy.dynamic_batching.enabled={_short_value(value)}"),
+    f"{ACTOR}.ppo_max_token_len_per_gpu": lambda value, _: (
+        "policy.sequence_packing.train_mb_tokens (or policy.dynamic_batching.train_mb_tokens)"),
+    f"{ROLLOUT}.log_prob_max_token_len_per_gpu": lambda value, _: (
+        "policy.sequence_packing.logprob_mb_tokens (or policy.dynamic_batching.logprob_mb_tokens)"),
+    f"{ACTOR}.entropy_coeff": lambda value, _: "nothing to set" if value == 0 else (
+        "no counterpart here (no entropy bonus in the loss)"),
+    "algorithm.use_kl_in_reward": lambda value, _: "nothing to set (the KL is a loss term here: loss.kl_coef)"
+        if not value else "no counterpart here (the KL is a loss term here: loss.kl_coef)",
+    "trainer.critic_warmup": lambda value, _: "nothing to set (GRPO has no critic)",
+    "data.filter_overlong_prompts": lambda value, _: (
+        "nothing to set (prompts longer than env.max_prompt_tokens are dropped, with a warning)" if value else
+        "no counterpart here (prompts longer than env.max_prompt_tokens are always dropped, with a warning)"),
     f"{ROLLOUT}.name": lambda value, _: {"vllm": "generation.backend=vllm", "hf": "generation.backend=torch"}.get(value),
     f"{ROLLOUT}.top_k": lambda value, _: "generation.top_k=0 (0 turns top-k off here)"
         if isinstance(value, int) and value < 0 else None,

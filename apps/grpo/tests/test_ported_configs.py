@@ -18,6 +18,16 @@ def write(path: Path, text: str) -> Path:
     return path
 
 
+def _flatten(data: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 NEMO_RL_STYLE = """\
 policy:
   model_name: m
@@ -121,12 +131,18 @@ VERL_COMMAND_LINE = [  # verl's examples/grpo_trainer/run_qwen2-7b.sh, shortened
     "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.01",
     "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.actor.entropy_coeff=0",
     "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.top_k=-1", "trainer.logger=[console]",
-    "trainer.save_freq=-1", "trainer.test_freq=5", "trainer.total_training_steps=7"]
+    "trainer.save_freq=-1", "trainer.test_freq=5", "trainer.total_training_steps=7", "data.truncation=error",
+    "actor_rollout_ref.model.use_remove_padding=True", "actor_rollout_ref.actor.use_dynamic_bsz=True",
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2048", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4", "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False",
+    "algorithm.use_kl_in_reward=False", "trainer.critic_warmup=0"]
 # the same run in this schema's names, written by hand from verl's docs (mini-batch: 4 prompts x 4 samples)
 VERL_PORTED = ["env.max_prompt_tokens=16", "generation.max_new_tokens=24", "grpo.num_prompts_per_step=8",
                "policy.model_name=m", "policy.optimizer.kwargs.lr=1e-6", "policy.train_global_batch_size=16",
                "loss.kl_coef=0.01", "loss.kl_kind=k3", "grpo.num_generations_per_prompt=4", "generation.top_k=0",
-               "checkpointing.enabled=false", "grpo.val_every=5", "grpo.max_steps=7"]
+               "checkpointing.enabled=false", "grpo.val_every=5", "grpo.max_steps=7", "policy.sequence_packing.enabled=true",
+               "policy.sequence_packing.train_mb_tokens=2048", "policy.logprob_batch_size=4",
+               "policy.dtensor_cfg.cpu_offload=false"]
 
 
 def test_a_verl_command_line_gets_its_whole_port_in_one_error():
@@ -140,7 +156,8 @@ def test_a_verl_command_line_gets_its_whole_port_in_one_error():
         "data.max_response_length -> generation.max_new_tokens", "actor_rollout_ref.model.path -> policy.model_name",
         "actor_rollout_ref.actor.optim.lr -> policy.optimizer.kwargs.lr",
         "actor_rollout_ref.rollout.n -> grpo.num_generations_per_prompt",
-        "trainer.total_training_steps -> grpo.max_steps"}
+        "trainer.total_training_steps -> grpo.max_steps",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu -> policy.logprob_batch_size"}
     assert set(settings.split(": ", 1)[1].split("; ")) == {
         "algorithm.adv_estimator=grpo -> nothing to set (the algorithm here is GRPO)",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4 -> policy.train_global_batch_size=16 (sequences here: prompts "
@@ -150,12 +167,25 @@ def test_a_verl_command_line_gets_its_whole_port_in_one_error():
         "actor_rollout_ref.actor.kl_loss_type=low_var_kl -> loss.kl_kind=k3",
         "actor_rollout_ref.rollout.top_k=-1 -> generation.top_k=0 (0 turns top-k off here)",
         "trainer.logger=[...] -> nothing to set (metrics.jsonl is always written)",
-        "trainer.save_freq=-1 -> checkpointing.enabled=false", "trainer.test_freq=5 -> grpo.val_every=5"}
-    assert set(removed.split("): ", 1)[1].split(", ")) == {"data.filter_overlong_prompts",
-                                                            "actor_rollout_ref.actor.entropy_coeff"}
+        "trainer.save_freq=-1 -> checkpointing.enabled=false", "trainer.test_freq=5 -> grpo.val_every=5",
+        "data.filter_overlong_prompts=true -> nothing to set (prompts longer than env.max_prompt_tokens are dropped, "
+        "with a warning)", "actor_rollout_ref.actor.entropy_coeff=0 -> nothing to set",
+        "actor_rollout_ref.model.use_remove_padding=true -> policy.sequence_packing.enabled=true",
+        "actor_rollout_ref.actor.use_dynamic_bsz=true -> read with actor_rollout_ref.model.use_remove_padding (above)",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2048 -> policy.sequence_packing.train_mb_tokens (or "
+        "policy.dynamic_batching.train_mb_tokens)",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4 -> policy.logprob_batch_size (one for the policy's "
+        "and the reference's logprobs)",
+        "actor_rollout_ref.actor.fsdp_config.optimizer_offload=false -> policy.dtensor_cfg.cpu_offload=false (with the "
+        "parameters and gradients)",
+        "algorithm.use_kl_in_reward=false -> nothing to set (the KL is a loss term here: loss.kl_coef)",
+        "trainer.critic_warmup=0 -> nothing to set (GRPO has no critic)"}
+    assert set(removed.split("): ", 1)[1].split(", ")) == {"data.truncation"}
     cfg = load_config(None, VERL_PORTED)
     assert (cfg.policy.train_global_batch_size, cfg.loss.kl_coef, cfg.loss.kl_kind, cfg.generation.top_k,
             cfg.checkpointing.enabled, cfg.grpo.num_prompts_per_step) == (16, 0.01, "k3", 0, False, 8)
+    assert (cfg.policy.sequence_packing.enabled, cfg.policy.sequence_packing.train_mb_tokens,
+            cfg.policy.logprob_batch_size) == (True, 2048, 4)
 
 
 TRL_CONFIG = """\
@@ -207,16 +237,6 @@ def test_a_trl_config_gets_its_whole_port_in_one_error(tmp_path):
     cfg = load_config(None, TRL_PORTED)
     assert (cfg.grpo.num_prompts_per_step, cfg.policy.train_global_batch_size, cfg.loss.eps_high, cfg.loss.agg) == (
         4, 16, 0.2, "seq-mean-token-sum")
-
-
-def _flatten(data: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in data.items():
-        if isinstance(value, dict) and value:
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 # NeMo-RL's engine sections as its examples/configs/grpo_math_1B.yaml writes them (shortened)
