@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from grpo_app import program_name
 from grpo_app.config import GRPOConfig, load_config
 from rl_core.checkpoint_io import atomic_write_text
 from rl_core.config import ConfigError
@@ -33,32 +32,6 @@ from rollout.datasets import PromptExample
 logger = logging.getLogger("grpo.eval")
 # completions per generate call: a progress bar that moves, and enough rows to keep a vLLM batch full
 CHUNK_COMPLETIONS = 1024
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=f"{program_name()} eval", description=__doc__.splitlines()[0],
-                                     epilog=f"example:\n  {program_name()} eval --config runs/x/config.yaml "
-                                            "policy.model_name=runs/x/checkpoints/step_100/hf --samples 8",
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="YAML config file (a run's config.yaml) or a shipped one's name")
-    parser.add_argument("--samples", type=_positive, default=1,
-                        help="completions per prompt: 1 (default) is greedy; K > 1 samples and reports pass@k")
-    parser.add_argument("--threshold", type=float, default=1.0,
-                        help="a completion counts as solved when the environment says it is correct or, where it only "
-                             "gives a reward, when the reward is >= this (default 1.0)")
-    parser.add_argument("--out", type=Path, help="where the completions go (JSONL; default: "
-                                                 "<logger.log_dir>/eval/<model>[-samplesK].jsonl, see default_out)")
-    parser.add_argument("--log-level", default="INFO", type=str.upper,
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
-    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. policy.model_name=DIR")
-    return parser.parse_intermixed_args(argv)
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1; got {value}")
-    return value
 
 
 def pass_at_k(n: int, solved: int, k: int) -> float:
@@ -176,11 +149,12 @@ def generate_in_chunks(backend: GenerationBackend, prompts: list[PromptExample],
     return completions
 
 
-def main(argv: list[str] | None = None) -> int:
+def run(args: argparse.Namespace) -> int:
+    """`eval` with its parsed options (grpo_app.cli.parse_eval_args): exit 0 with the scores printed (a JSON line),
+    2 with one line naming a problem of the inputs, 1 when the reward function fails, 130 on Ctrl-C."""
     from grpo_app.preflight import preflight
     from rollout.environments.base import RewardFailureError
 
-    args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         try:

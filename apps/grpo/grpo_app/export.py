@@ -21,7 +21,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpo_app import program_name
 from grpo_app.checkpoint import POLICY_DIR, STATE_FILE, CheckpointManager, run_identity
 from grpo_app.config import GRPOConfig, load_config
 from grpo_app.preflight import resolve_model
@@ -33,19 +32,6 @@ from rl_core.registry import ENGINES
 logger = logging.getLogger("grpo.export")
 
 CONFIG_FILE = "config.yaml"  # what run_training writes into the run directory (logger.log_dir)
-
-
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=f"{program_name()} export", description="Write a run checkpoint as a Hugging Face model directory (offline, either engine).")
-    parser.add_argument("path", help="a run directory (its newest intact checkpoint) or one checkpoint (step_N)")
-    parser.add_argument("--out", metavar="DIR", help="the new model directory (must not exist; default: <log_dir>/hf/step_N, "
-                                      "<log_dir> being the directory of the run's config.yaml)")
-    parser.add_argument("--config", metavar="FILE", help="the run's resolved config.yaml, if it is not beside the checkpoints "
-                                         "(<log_dir>/config.yaml; needed when checkpointing.dir was elsewhere)")
-    parser.add_argument("--base-model", metavar="DIR", help="the run's base model (policy.model_name) where it is now, if it "
-                                             "has moved (a LoRA checkpoint holds the adapters alone; the base must hold "
-                                             "the weights the run trained on)")
-    return parser.parse_args(argv)
 
 
 @dataclass
@@ -160,9 +146,9 @@ def _resolve_run_model(cfg: GRPOConfig) -> GRPOConfig:
         raise ConfigError(f"{exc}; if the run's base model has moved, pass its directory with --base-model DIR") from None
 
 
-def main(argv: list[str]) -> int:
-    """Exit 0 with the model directory written, 2 with one line naming the problem and the fix, 130 on Ctrl-C."""
-    args = parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+    """`export` with its parsed options (grpo_app.cli.parse_export_args): exit 0 with the model directory written, 2
+    with one line naming the problem and the fix, 130 on Ctrl-C."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         plan, cfg = plan_export(Path(args.path), args.config, args.out)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_app import cli, evaluate, export
+from grpo_app import cli
 from grpo_app.preflight import model_dir_problem
 
 APP = Path(__file__).resolve().parents[1]
@@ -27,8 +27,8 @@ def test_the_wheel_installs_the_console_script_the_trainer_recognises():
                                              ("apps/grpo", "uv run apps/grpo")])
 def test_usage_lines_and_hints_name_the_command_that_ran(monkeypatch, capsys, tmp_path, argv0, prog):
     monkeypatch.setattr(sys, "argv", [argv0, "--help"])
-    for parse, usage in ((cli.parse_args, prog), (export.parse_args, f"{prog} export"),
-                         (evaluate.parse_args, f"{prog} eval")):
+    for parse, usage in ((cli.parse_args, prog), (cli.parse_export_args, f"{prog} export"),
+                         (cli.parse_eval_args, f"{prog} eval")):
         with pytest.raises(SystemExit):
             parse(["--help"])
         assert capsys.readouterr().out.startswith(f"usage: {usage} [-h]")
@@ -44,12 +44,16 @@ def test_usage_lines_and_hints_name_the_command_that_ran(monkeypatch, capsys, tm
 
 def test_the_installed_script_and_the_directory_print_their_own_usage_without_importing_torch_or_ray():
     """The real processes: the console script uv installed beside this interpreter, and the directory as uv runs it.
-    `--help` and a mistyped option answer before the trainer's imports (torch and Ray: ~1.5 s, a third of `uv run
-    apps/grpo --help`); Python's own import log (PYTHONPROFILEIMPORTTIME) says which modules were imported."""
+    `--help`, a subcommand's `-h` and a mistyped option answer before the trainer's imports (torch and Ray: ~1.5 s, a
+    third of `uv run apps/grpo --help`; `export -h` took 1.3 s); Python's own import log (PYTHONPROFILEIMPORTTIME)
+    says which modules were imported."""
     env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}
-    for command, usage in (([str(Path(sys.executable).parent / "grpo")], "usage: grpo [-h]"),
-                           ([sys.executable, "apps/grpo"], "usage: uv run apps/grpo [-h]")):
-        for args, code, stream in ((["--help"], 0, "stdout"), (["--log-levl", "debug"], 2, "stderr")):
+    for command, prog in (([str(Path(sys.executable).parent / "grpo")], "grpo"),
+                          ([sys.executable, "apps/grpo"], "uv run apps/grpo")):
+        for args, code, stream, usage in ((["--help"], 0, "stdout", f"usage: {prog} [-h]"),
+                                          (["--log-levl", "debug"], 2, "stderr", f"usage: {prog} [-h]"),
+                                          (["export", "-h"], 0, "stdout", f"usage: {prog} export [-h]"),
+                                          (["eval", "--samples", "0"], 2, "stderr", f"usage: {prog} eval [-h]")):
             proc = subprocess.run([*command, *args], cwd=APP.parents[1], env=env, capture_output=True, text=True,
                                   timeout=300)
             log = [line for line in proc.stderr.splitlines() if line.startswith("import time:")]

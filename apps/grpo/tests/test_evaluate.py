@@ -14,10 +14,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpo_app.build import load_inputs
 from grpo_app.config import load_config
-from grpo_app.evaluate import main, pass_at_k, pass_ks
+from grpo_app.evaluate import pass_at_k, pass_ks
 from grpo_app.main import main as grpo_main
 from grpo_app.preflight import preflight
 from rollout.rewards.toy import repeat_char_reward
+
+
+def main(argv: list[str]) -> int:
+    """`eval` with these options, as the command line runs it."""
+    return grpo_main(["eval", *argv])
+
 
 SMALL = ["grpo.num_val_prompts=6", "generation.max_new_tokens=6", "logger.tensorboard=false"]
 
