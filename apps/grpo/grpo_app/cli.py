@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
+import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -139,6 +140,17 @@ def main(argv: list[str] | None = None) -> int:
         args = parse(argv[1:])  # before the import: `-h` and a bad option answer at once
         return importlib.import_module(module).run(args)
     args = parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from grpo_app.config import (
+        load_config,  # no torch, no Ray: a config error answers before they are imported
+    )
+    from rl_core.config import ConfigError
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except (ConfigError, FileNotFoundError, ValueError) as exc:
+        logging.getLogger("grpo").error("%s", exc)
+        return 2
     from grpo_app.main import run
 
-    return run(args)
+    return run(cfg)

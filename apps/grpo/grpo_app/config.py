@@ -23,6 +23,7 @@ from grpo_app.devices import Hardware, detect_hardware, resolve_auto
 from grpo_app.ported_configs import explain_unknown_key
 from rl_core.config import (
     ConfigError,
+    LossConfig,
     PolicyConfig,
     UnknownKeyError,
     check_schema_keys,
@@ -30,7 +31,6 @@ from rl_core.config import (
     micro_batch_limits,
     parse_config,
 )
-from rl_core.losses import LossConfig
 
 logger = logging.getLogger(__name__)
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"  # inside the package: the wheel ships them
@@ -441,8 +441,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (),
                 hardware: Hardware | None = None) -> GRPOConfig:
     """The validated config from a YAML file (default: the CPU default) plus dotted overrides, with every
     `auto` resolved for `hardware` (default: this machine's) and the refit layout checked."""
-    from grpo_app.refit import refit_path
-
     key_lines: dict[str, str] = {}
     data = load_yaml(shipped_or_path(path) if path else DEFAULT_CONFIG, key_lines=key_lines)
     file_env = copy.deepcopy(data.get("env")) if isinstance(data.get("env"), dict) else {}
@@ -462,6 +460,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (),
             exc = ConfigError(f"{exc} (--config {path} names no 'defaults:', so it starts from the schema's defaults "
                               "alone; add 'defaults: cpu_default' to it to start from the embedded default run)")
         raise _with_file_line(exc, key_lines) from None
+    from grpo_app.refit import refit_path  # torch: not needed to find a config's own errors
+
     refit_path(cfg)  # a placement that cannot work fails here, naming the keys
     return cfg
 

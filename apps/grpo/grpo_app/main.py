@@ -6,7 +6,6 @@ resumes from the newest intact checkpoint in the run directory if there is one, 
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import contextlib
 import logging
@@ -23,7 +22,7 @@ import yaml
 from grpo_app.build import RunInputs, checkpoint_manager, find_resume_point, load_inputs
 from grpo_app.checkpoint import DamagedOnLoad, ResumePoint, check_prompts
 from grpo_app.cli import main  # noqa: F401  (the whole command, for scripts and tests: main(argv) -> exit code)
-from grpo_app.config import GRPOConfig, load_config
+from grpo_app.config import GRPOConfig
 from grpo_app.preflight import preflight
 from grpo_app.run_lock import hold_run_dir
 from rl_core.checkpoint_io import DiskFullError
@@ -123,11 +122,10 @@ def run_training(cfg: GRPOConfig, inputs: RunInputs, resume_point: ResumePoint |
                 stop_ray()
 
 
-def run(args: argparse.Namespace) -> int:
-    """The run the parsed command line asks for (grpo_app.cli.parse_args); its exit code."""
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def run(cfg: GRPOConfig) -> int:
+    """The run of a loaded config (grpo_app.cli.main loads it); its exit code."""
     try:  # everything a run reads is checked here, before Ray or any worker starts
-        cfg = preflight(load_config(args.config, args.overrides))
+        cfg = preflight(cfg)
         inputs = load_inputs(cfg)
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         logger.error("%s", exc)

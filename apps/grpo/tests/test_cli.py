@@ -44,16 +44,17 @@ def test_usage_lines_and_hints_name_the_command_that_ran(monkeypatch, capsys, tm
 
 def test_the_installed_script_and_the_directory_print_their_own_usage_without_importing_torch_or_ray():
     """The real processes: the console script uv installed beside this interpreter, and the directory as uv runs it.
-    `--help`, a subcommand's `-h` and a mistyped option answer before the trainer's imports (torch and Ray: ~1.5 s, a
-    third of `uv run apps/grpo --help`; `export -h` took 1.3 s); Python's own import log (PYTHONPROFILEIMPORTTIME)
-    says which modules were imported."""
+    `--help`, a subcommand's `-h`, a mistyped option and a mistyped config key answer before the trainer's imports
+    (torch and Ray: ~1.5 s, a third of `uv run apps/grpo --help`; `export -h` took 1.3 s, a config typo 2.2 s);
+    Python's own import log (PYTHONPROFILEIMPORTTIME) says which modules were imported."""
     env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}
     for command, prog in (([str(Path(sys.executable).parent / "grpo")], "grpo"),
                           ([sys.executable, "apps/grpo"], "uv run apps/grpo")):
         for args, code, stream, usage in ((["--help"], 0, "stdout", f"usage: {prog} [-h]"),
                                           (["--log-levl", "debug"], 2, "stderr", f"usage: {prog} [-h]"),
                                           (["export", "-h"], 0, "stdout", f"usage: {prog} export [-h]"),
-                                          (["eval", "--samples", "0"], 2, "stderr", f"usage: {prog} eval [-h]")):
+                                          (["eval", "--samples", "0"], 2, "stderr", f"usage: {prog} eval [-h]"),
+                                          (["grpo.max_stepz=5"], 2, "stderr", "unknown config key 'grpo.max_stepz'")):
             proc = subprocess.run([*command, *args], cwd=APP.parents[1], env=env, capture_output=True, text=True,
                                   timeout=300)
             log = [line for line in proc.stderr.splitlines() if line.startswith("import time:")]

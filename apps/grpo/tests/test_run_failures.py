@@ -25,6 +25,7 @@ from ray.core.generated.common_pb2 import ActorDiedErrorContext
 import grpo_app.main as cli
 from grpo_app import cluster
 from grpo_app.checkpoint import CheckpointManager
+from grpo_app.config import load_config
 from rl_core.checkpoint_io import DiskFullError
 from rollout.environments import RewardFailureError
 
@@ -109,7 +110,7 @@ def test_ctrl_c_while_ray_starts_stops_what_it_started(monkeypatch, tmp_path):
 
     monkeypatch.setattr(cluster, "start_ray", start_ray)
     monkeypatch.setattr(cluster, "stop_ray", lambda: stopped.append(True))
-    cfg = cli.load_config(None, [f"logger.log_dir={tmp_path}"])
+    cfg = load_config(None, [f"logger.log_dir={tmp_path}"])
     with pytest.raises(KeyboardInterrupt):
         cli.run_training(cfg, None)
     assert stopped == [True]

@@ -9,7 +9,8 @@ import torch
 
 from engine_dtensor.engine import DTensorEngine
 from engine_dtensor.testing import full_grads, make_policy
-from rl_core.losses import ClippedPGLoss, LossConfig
+from rl_core.config import LossConfig
+from rl_core.losses import ClippedPGLoss
 from rl_core.testing.contracts import random_token_batch
 from rl_core.testing.distributed import run_distributed
 from rl_core.testing.memory import LargestTensors

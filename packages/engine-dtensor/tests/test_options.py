@@ -11,7 +11,8 @@ import torch
 
 from engine_dtensor.engine import DTensorEngine
 from engine_dtensor.testing import assert_layout_close, full_grads, grpo_batch, make_policy, max_abs_diff
-from rl_core.losses import ClippedPGLoss, LossConfig
+from rl_core.config import LossConfig
+from rl_core.losses import ClippedPGLoss
 from rl_core.registry import create_engine
 from rl_core.testing.distributed import run_distributed
 

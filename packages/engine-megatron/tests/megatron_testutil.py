@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from rl_core.batch import TokenBatch
-from rl_core.config import PolicyConfig, parse_config
-from rl_core.losses import ClippedPGLoss, LossConfig
+from rl_core.config import LossConfig, PolicyConfig, parse_config
+from rl_core.losses import ClippedPGLoss
 from rl_core.testing.contracts import random_token_batch
 from rl_core.testing.truncation import truncated_log_softmax
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 from megatron_testutil import dp_indices, global_batch, make_policy
 
-from rl_core.losses import ClippedPGLoss, LossConfig
+from rl_core.config import LossConfig
+from rl_core.losses import ClippedPGLoss
 from rl_core.testing.distributed import run_distributed
 
 ROUTER_LOSSES = {"moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 0.001}

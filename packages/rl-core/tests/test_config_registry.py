@@ -12,6 +12,7 @@ import torch
 
 from rl_core.config import (
     ConfigError,
+    LossConfig,
     OptimizerConfig,
     PolicyConfig,
     UnknownKeyError,
@@ -20,7 +21,6 @@ from rl_core.config import (
     unknown_keys,
     with_keys_elsewhere,
 )
-from rl_core.losses import LossConfig
 from rl_core.metrics import all_reduce_metrics, combine_metrics, combine_optimizer_steps
 from rl_core.registry import ENGINES, Registry, create_engine, register_engine
 from rl_core.testing.distributed import CUDA_BACKEND, run_distributed

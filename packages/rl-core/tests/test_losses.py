@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rl_core.batch import LossInputs, TokenBatch
-from rl_core.losses import ClippedPGLoss, LossConfig, clipped_pg_loss
+from rl_core.config import LossConfig
+from rl_core.losses import ClippedPGLoss, clipped_pg_loss
 
 AGGS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 

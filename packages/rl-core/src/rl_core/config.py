@@ -1,7 +1,8 @@
 """Typed configs: plain `kw_only` dataclasses, validated from nested mappings (YAML) before any work.
 
-Owns the validator every package uses (`parse_config`) and the shared `policy.*` schema that both
-engines read. Engine-specific sections (`policy.engine_cfg` for any engine chosen by `policy.engine`;
+Owns the validator every package uses (`parse_config`), the shared `policy.*` schema that both
+engines read and the `loss.*` schema (rl_core.losses computes the loss). Imports no torch: a trainer reads and
+checks a config before its heavy imports. Engine-specific sections (`policy.engine_cfg` for any engine chosen by `policy.engine`;
 `policy.dtensor_cfg`, `policy.megatron_cfg` for the built-in two) stay raw mappings here and are
 validated by the engine package that owns them (its `validate_config`), so rl-core imports no engine.
 
@@ -493,6 +494,57 @@ class PolicyConfig:
 
 
 # The smallest sampling temperature (vLLM's greedy threshold): below it logits / temperature overflow float32
+# `loss.*`: the clipped policy-gradient loss's settings (rl_core.losses computes it, rl_core.kl and
+# rl_core.importance its terms); here, with the other schemas, so that reading a config imports no torch
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+KLKind = Literal["k1", "k2", "k3"]
+ISLevel = Literal["token", "sequence"]
+ISMode = Literal["tis", "icepop", "seq-mask-tis"] | None
+
+
+@dataclass(kw_only=True)
+class ImportanceConfig:
+    """`loss.importance`: correction for trainer/inference mismatch (rl_core.importance)."""
+
+    enabled: bool = False
+    level: ISLevel = "token"
+    mode: ISMode = "tis"
+    low: float = 0.0
+    high: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.low <= self.high:  # checked even when disabled: the IS metrics use the bounds too
+            raise ConfigError(f"loss.importance needs 0 <= low <= high; got low={self.low}, high={self.high}")
+
+
+@dataclass(kw_only=True)
+class LossConfig:
+    """`loss.*`: the clipped policy-gradient loss settings."""
+
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    dual_clip: float | None = None
+    agg: Aggregation = "token-mean"
+    kl_coef: float = 0.0
+    kl_kind: KLKind = "k3"
+    kl_input_clamp: float | None = 20.0
+    kl_output_clamp: float | None = 10.0
+    sequence_level_ratio: bool = False
+    importance: ImportanceConfig = field(default_factory=ImportanceConfig)
+
+    def __post_init__(self) -> None:
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ConfigError(f"loss.dual_clip must be > 1 (e.g. 3.0) or null; got {self.dual_clip}")
+        if self.eps_low < 0 or self.eps_high < 0:
+            raise ConfigError(f"loss.eps_low/eps_high must be >= 0; got {self.eps_low}, {self.eps_high}")
+        if self.eps_low > 1:
+            raise ConfigError(f"loss.eps_low={self.eps_low} puts the lower clip bound 1 - eps_low below 0, where no ratio "
+                              "is: use eps_low <= 1 (1 turns the lower clip off)")
+        if self.kl_coef < 0:
+            raise ConfigError(f"loss.kl_coef must be >= 0 (a negative one rewards leaving the reference); "
+                              f"got {self.kl_coef}")
+
+
 MIN_TEMPERATURE = 1e-5
 
 # The built-in engines' own sections (the seeds' spelling); any other engine reads `policy.engine_cfg`.

@@ -20,15 +20,12 @@ sequence at level "sequence" and in seq-mask-tis) and counts as out of bounds, i
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 from torch import Tensor
 
+from rl_core.config import ISLevel, ISMode
 from rl_core.segments import segment_mean, segment_sum
 
-ISLevel = Literal["token", "sequence"]
-ISMode = Literal["tis", "icepop", "seq-mask-tis"] | None
 IS_MODES = (None, "tis", "icepop", "seq-mask-tis")
 LOG_RATIO_CLAMP = 20.0
 

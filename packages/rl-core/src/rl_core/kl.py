@@ -9,12 +9,10 @@ With logr = ref_logprobs - logprobs (tokens sampled from the policy):
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 from torch import Tensor
 
-KLKind = Literal["k1", "k2", "k3"]
+from rl_core.config import KLKind
 
 
 def kl_penalty(

@@ -23,19 +23,15 @@ rank alike (the NaN reaches all of them through the gradient all-reduce).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 from torch import Tensor
 
 from rl_core.batch import LossInputs
-from rl_core.config import ConfigError
-from rl_core.importance import ISLevel, ISMode, importance_weights, masked_log_ratio
-from rl_core.kl import KLKind, kl_penalty
+from rl_core.config import Aggregation, KLKind, LossConfig
+from rl_core.importance import importance_weights, masked_log_ratio
+from rl_core.kl import kl_penalty
 from rl_core.segments import segment_mean, segment_sum
-
-Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 
 
 def aggregate(
@@ -154,49 +150,6 @@ def _count_nonfinite(valid: Tensor, *logprobs: Tensor | None) -> Tensor:
         if lp is not None:
             bad |= ~torch.isfinite(lp.detach())
     return (bad & valid).sum()
-
-
-@dataclass(kw_only=True)
-class ImportanceConfig:
-    """`loss.importance`: correction for trainer/inference mismatch (rl_core.importance)."""
-
-    enabled: bool = False
-    level: ISLevel = "token"
-    mode: ISMode = "tis"
-    low: float = 0.0
-    high: float = 2.0
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.low <= self.high:  # checked even when disabled: the IS metrics use the bounds too
-            raise ConfigError(f"loss.importance needs 0 <= low <= high; got low={self.low}, high={self.high}")
-
-
-@dataclass(kw_only=True)
-class LossConfig:
-    """`loss.*`: the clipped policy-gradient loss settings."""
-
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    dual_clip: float | None = None
-    agg: Aggregation = "token-mean"
-    kl_coef: float = 0.0
-    kl_kind: KLKind = "k3"
-    kl_input_clamp: float | None = 20.0
-    kl_output_clamp: float | None = 10.0
-    sequence_level_ratio: bool = False
-    importance: ImportanceConfig = field(default_factory=ImportanceConfig)
-
-    def __post_init__(self) -> None:
-        if self.dual_clip is not None and self.dual_clip <= 1.0:
-            raise ConfigError(f"loss.dual_clip must be > 1 (e.g. 3.0) or null; got {self.dual_clip}")
-        if self.eps_low < 0 or self.eps_high < 0:
-            raise ConfigError(f"loss.eps_low/eps_high must be >= 0; got {self.eps_low}, {self.eps_high}")
-        if self.eps_low > 1:
-            raise ConfigError(f"loss.eps_low={self.eps_low} puts the lower clip bound 1 - eps_low below 0, where no ratio "
-                              "is: use eps_low <= 1 (1 turns the lower clip off)")
-        if self.kl_coef < 0:
-            raise ConfigError(f"loss.kl_coef must be >= 0 (a negative one rewards leaving the reference); "
-                              f"got {self.kl_coef}")
 
 
 class ClippedPGLoss:
