@@ -37,7 +37,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in sorted(SUBCOMMANDS.keys() & set(argv)):
         parser.error(f"'{name}' is a subcommand and comes first: {prog} {name} [its options] (see {name} -h)")
     own = {"-h", "--help"} | {string for action in options for string in action.option_strings}
-    if foreign := dashed_settings(argv, own):
+    if not {"-h", "--help"} & set(argv) and (foreign := dashed_settings(argv, own)):  # help first
         known, _ = parser.parse_known_intermixed_args(argv)  # the --config and overrides given with them
         parser.error(explain_dashed_settings(foreign, known.config, [o for o in known.overrides if "=" in o]))
     return parser.parse_intermixed_args(argv)  # overrides may come before and after --config

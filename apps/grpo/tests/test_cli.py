@@ -99,3 +99,6 @@ def test_settings_given_as_dashed_options_say_what_to_write(capsys):
     *_, typo = error_of(["--grpo.max_stepz", "5"])  # read as the override, it gets the override's own error
     assert "Read as overrides (grpo.max_stepz=5): unknown config key 'grpo.max_stepz'; did you mean 'grpo.max_steps'?" in typo
     assert parse_args(["--conf", "gpu_1x", "--log-level=debug"]).config == "gpu_1x"  # argparse's abbreviations stay
+    with pytest.raises(SystemExit) as exit_info:  # asking for help gets it
+        parse_args(["--learning_rate", "1e-6", "--help"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.startswith("usage: ")
