@@ -45,6 +45,7 @@ class GRPOSettings:
     num_generations_per_prompt: int = 8
     max_steps: int = 100
     val_every: int = 10  # validate before step 0, every N steps and after the last; 0 disables
+    val_at_start: bool = True  # the validation before step 0 (NeMo-RL's grpo.val_at_start, verl's val_before_train)
     num_val_prompts: int = 64
     seed: int = 42
     normalize_std: bool = True

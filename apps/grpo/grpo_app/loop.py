@@ -436,7 +436,8 @@ def train(run: Run, start_step: int = 0) -> None:
         return validated[step]
 
     def due(step: int) -> bool:
-        return bool(cfg.val_every) and (step % cfg.val_every == 0 or step == cfg.max_steps)
+        return bool(cfg.val_every) and (step % cfg.val_every == 0 or step == cfg.max_steps) and (
+            step > 0 or cfg.val_at_start)
 
     warned_metric = False
 

@@ -173,10 +173,11 @@ class MetricsSink:
 
     def summary(self) -> str:
         """Validation reward before/after and the mean time per phase, as a text table; then where the metrics are."""
-        _, val = self.series("val/reward_mean")
+        steps, val = self.series("val/reward_mean")
         lines = []
-        if val:
-            lines.append(f"validation reward: {val[0]:.3f} -> {val[-1]:.3f} ({val[-1] - val[0]:+.3f})")
+        if val:  # the first is the base model's unless grpo.val_at_start=false
+            first = f"{val[0]:.3f}" + (f" at step {steps[0]}" if steps[0] else "")
+            lines.append(f"validation reward: {first} -> {val[-1]:.3f} ({val[-1] - val[0]:+.3f})")
         _, per_record = self._phase_times()
         num_steps = max(1, sum(r.get("timing/step_s") is not None for r in self.history))
         idle = self.steps_without_advantage()

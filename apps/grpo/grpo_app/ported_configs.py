@@ -102,7 +102,6 @@ NEMO_RL = Framework("NeMo-RL", keys={
         "reshuffled, epoch after epoch)"),
     "grpo.max_rollout_turns": lambda value, _: "nothing to set" if value == 1 else (
         "no counterpart here (single-turn rollouts)"),
-    "grpo.val_at_start": lambda value, _: "nothing to set (a run validates before its first step)",
     "policy.generation.top_k": lambda value, _: "generation.top_k=0 (off)" if value in (None, -1) else None,
     **{f"policy.generation.{key}": lambda value, _: "nothing to set (a completion ends at the tokenizer's end of "
                                                     "sequence)" if value is None else "no counterpart here"
@@ -172,6 +171,7 @@ VERL = Framework("verl", keys={
     "data.val_files": "env.val_data",
     "data.prompt_key": "env.prompt_key",
     "trainer.total_training_steps": "grpo.max_steps",
+    "trainer.val_before_train": "grpo.val_at_start",
     "trainer.default_local_dir": "checkpointing.dir",
     "trainer.n_gpus_per_node": "cluster.gpus_per_node",
     "trainer.nnodes": "cluster.num_nodes",

@@ -484,6 +484,21 @@ def test_without_a_progress_bar_each_step_and_each_validation_is_a_log_line(tmp_
     assert lines[3] == f"validation at step 2 (2 prompts): val/reward_mean={records[2]['val/reward_mean']:.4g}"
 
 
+def test_val_at_start_false_skips_the_validation_of_the_base_model(tmp_path, caplog):
+    """NeMo-RL's grpo.val_at_start=false (verl's trainer.val_before_train=False): a long run need not score its base
+    model first; the later validations stay, and the summary says from which step it compares."""
+    run = make_run("grpo.max_steps=4", "grpo.val_every=2", "grpo.val_at_start=false", "logger.progress_bar=false")
+    run.val_prompts = run.train_prompts.items[:2]
+    run.sink = MetricsSink(tmp_path, tensorboard=False, resume_step=None)
+    with caplog.at_level("INFO", logger="grpo_app.loop"):
+        loop.train(run)
+    validations = [r.getMessage().split(" (")[0] for r in caplog.records if r.getMessage().startswith("validation")]
+    assert validations == ["validation at step 2", "validation at step 4"]
+    steps, values = run.sink.series("val/reward_mean")
+    assert steps == [2, 4]
+    assert f"validation reward: {values[0]:.3f} at step 2 -> {values[1]:.3f}" in run.sink.summary()
+
+
 def test_steps_whose_groups_all_scored_alike_are_warned_about_once_and_when_ten_come_in_a_row(caplog):
     """A constant reward trained on nothing for the whole run (exit 0, loss 0, grad norm 0) without a log line; then
     the default run's converged policy repeated the warning at 30 of its last 60 steps (seed 2)."""

@@ -135,14 +135,14 @@ VERL_COMMAND_LINE = [  # verl's examples/grpo_trainer/run_qwen2-7b.sh, shortened
     "actor_rollout_ref.model.use_remove_padding=True", "actor_rollout_ref.actor.use_dynamic_bsz=True",
     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2048", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4", "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False",
-    "algorithm.use_kl_in_reward=False", "trainer.critic_warmup=0"]
+    "algorithm.use_kl_in_reward=False", "trainer.critic_warmup=0", "trainer.val_before_train=False"]
 # the same run in this schema's names, written by hand from verl's docs (mini-batch: 4 prompts x 4 samples)
 VERL_PORTED = ["env.max_prompt_tokens=16", "generation.max_new_tokens=24", "grpo.num_prompts_per_step=8",
                "policy.model_name=m", "policy.optimizer.kwargs.lr=1e-6", "policy.train_global_batch_size=16",
                "loss.kl_coef=0.01", "loss.kl_kind=k3", "grpo.num_generations_per_prompt=4", "generation.top_k=0",
                "checkpointing.enabled=false", "grpo.val_every=5", "grpo.max_steps=7", "policy.sequence_packing.enabled=true",
                "policy.sequence_packing.train_mb_tokens=2048", "policy.logprob_batch_size=4",
-               "policy.dtensor_cfg.cpu_offload=false"]
+               "policy.dtensor_cfg.cpu_offload=false", "grpo.val_at_start=false"]
 
 
 def test_a_verl_command_line_gets_its_whole_port_in_one_error():
@@ -157,7 +157,8 @@ def test_a_verl_command_line_gets_its_whole_port_in_one_error():
         "actor_rollout_ref.actor.optim.lr -> policy.optimizer.kwargs.lr",
         "actor_rollout_ref.rollout.n -> grpo.num_generations_per_prompt",
         "trainer.total_training_steps -> grpo.max_steps",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu -> policy.logprob_batch_size"}
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu -> policy.logprob_batch_size",
+        "trainer.val_before_train -> grpo.val_at_start"}
     assert set(settings.split(": ", 1)[1].split("; ")) == {
         "algorithm.adv_estimator=grpo -> nothing to set (the algorithm here is GRPO)",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4 -> policy.train_global_batch_size=16 (sequences here: prompts "
@@ -185,7 +186,7 @@ def test_a_verl_command_line_gets_its_whole_port_in_one_error():
     assert (cfg.policy.train_global_batch_size, cfg.loss.kl_coef, cfg.loss.kl_kind, cfg.generation.top_k,
             cfg.checkpointing.enabled, cfg.grpo.num_prompts_per_step) == (16, 0.01, "k3", 0, False, 8)
     assert (cfg.policy.sequence_packing.enabled, cfg.policy.sequence_packing.train_mb_tokens,
-            cfg.policy.logprob_batch_size) == (True, 2048, 4)
+            cfg.policy.logprob_batch_size, cfg.grpo.val_at_start) == (True, 2048, 4, False)
 
 
 TRL_CONFIG = """\
