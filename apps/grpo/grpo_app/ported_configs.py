@@ -216,6 +216,8 @@ VERL = Framework("verl", keys={
     "algorithm.use_kl_in_reward": lambda value, _: "nothing to set (the KL is a loss term here: loss.kl_coef)"
         if not value else "no counterpart here (the KL is a loss term here: loss.kl_coef)",
     "trainer.critic_warmup": lambda value, _: "nothing to set (GRPO has no critic)",
+    "trainer.val_only": lambda value, _: "nothing to set" if not value else (
+        "the eval subcommand instead of a run (uv run apps/grpo eval --config FILE: the validation alone)"),
     "data.filter_overlong_prompts": lambda value, _: (
         "nothing to set (prompts longer than env.max_prompt_tokens are dropped, with a warning)" if value else
         "no counterpart here (prompts longer than env.max_prompt_tokens are always dropped, with a warning)"),

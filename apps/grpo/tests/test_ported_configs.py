@@ -135,7 +135,8 @@ VERL_COMMAND_LINE = [  # verl's examples/grpo_trainer/run_qwen2-7b.sh, shortened
     "actor_rollout_ref.model.use_remove_padding=True", "actor_rollout_ref.actor.use_dynamic_bsz=True",
     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2048", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4", "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False",
-    "algorithm.use_kl_in_reward=False", "trainer.critic_warmup=0", "trainer.val_before_train=False"]
+    "algorithm.use_kl_in_reward=False", "trainer.critic_warmup=0", "trainer.val_before_train=False",
+    "trainer.val_only=False"]
 # the same run in this schema's names, written by hand from verl's docs (mini-batch: 4 prompts x 4 samples)
 VERL_PORTED = ["env.max_prompt_tokens=16", "generation.max_new_tokens=24", "grpo.num_prompts_per_step=8",
                "policy.model_name=m", "policy.optimizer.kwargs.lr=1e-6", "policy.train_global_batch_size=16",
@@ -180,7 +181,7 @@ def test_a_verl_command_line_gets_its_whole_port_in_one_error():
         "actor_rollout_ref.actor.fsdp_config.optimizer_offload=false -> policy.dtensor_cfg.cpu_offload=false (with the "
         "parameters and gradients)",
         "algorithm.use_kl_in_reward=false -> nothing to set (the KL is a loss term here: loss.kl_coef)",
-        "trainer.critic_warmup=0 -> nothing to set (GRPO has no critic)"}
+        "trainer.critic_warmup=0 -> nothing to set (GRPO has no critic)", "trainer.val_only=false -> nothing to set"}
     assert set(removed.split("): ", 1)[1].split(", ")) == {"data.truncation"}
     cfg = load_config(None, VERL_PORTED)
     assert (cfg.policy.train_global_batch_size, cfg.loss.kl_coef, cfg.loss.kl_kind, cfg.generation.top_k,
