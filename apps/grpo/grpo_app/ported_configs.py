@@ -216,6 +216,9 @@ VERL = Framework("verl", keys={
     "algorithm.use_kl_in_reward": lambda value, _: "nothing to set (the KL is a loss term here: loss.kl_coef)"
         if not value else "no counterpart here (the KL is a loss term here: loss.kl_coef)",
     "trainer.critic_warmup": lambda value, _: "nothing to set (GRPO has no critic)",
+    "trainer.max_actor_ckpt_to_keep": lambda value, _: (
+        "checkpointing.keep_top_k=<more than the run saves> (verl's null keeps every checkpoint)" if value is None else
+        f"checkpointing.keep_top_k={value} (the best {value} by checkpointing.metric, not the newest)"),
     "trainer.val_only": lambda value, _: "nothing to set" if not value else (
         "the eval subcommand instead of a run (uv run apps/grpo eval --config FILE: the validation alone)"),
     "data.filter_overlong_prompts": lambda value, _: (

@@ -136,14 +136,14 @@ VERL_COMMAND_LINE = [  # verl's examples/grpo_trainer/run_qwen2-7b.sh, shortened
     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2048", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4", "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False",
     "algorithm.use_kl_in_reward=False", "trainer.critic_warmup=0", "trainer.val_before_train=False",
-    "trainer.val_only=False"]
+    "trainer.val_only=False", "trainer.max_actor_ckpt_to_keep=3"]
 # the same run in this schema's names, written by hand from verl's docs (mini-batch: 4 prompts x 4 samples)
 VERL_PORTED = ["env.max_prompt_tokens=16", "generation.max_new_tokens=24", "grpo.num_prompts_per_step=8",
                "policy.model_name=m", "policy.optimizer.kwargs.lr=1e-6", "policy.train_global_batch_size=16",
                "loss.kl_coef=0.01", "loss.kl_kind=k3", "grpo.num_generations_per_prompt=4", "generation.top_k=0",
                "checkpointing.enabled=false", "grpo.val_every=5", "grpo.max_steps=7", "policy.sequence_packing.enabled=true",
                "policy.sequence_packing.train_mb_tokens=2048", "policy.logprob_batch_size=4",
-               "policy.dtensor_cfg.cpu_offload=false", "grpo.val_at_start=false"]
+               "policy.dtensor_cfg.cpu_offload=false", "grpo.val_at_start=false", "checkpointing.keep_top_k=3"]
 
 
 def test_a_verl_command_line_gets_its_whole_port_in_one_error():
@@ -181,7 +181,9 @@ def test_a_verl_command_line_gets_its_whole_port_in_one_error():
         "actor_rollout_ref.actor.fsdp_config.optimizer_offload=false -> policy.dtensor_cfg.cpu_offload=false (with the "
         "parameters and gradients)",
         "algorithm.use_kl_in_reward=false -> nothing to set (the KL is a loss term here: loss.kl_coef)",
-        "trainer.critic_warmup=0 -> nothing to set (GRPO has no critic)", "trainer.val_only=false -> nothing to set"}
+        "trainer.critic_warmup=0 -> nothing to set (GRPO has no critic)", "trainer.val_only=false -> nothing to set",
+        "trainer.max_actor_ckpt_to_keep=3 -> checkpointing.keep_top_k=3 (the best 3 by checkpointing.metric, not the "
+        "newest)"}
     assert set(removed.split("): ", 1)[1].split(", ")) == {"data.truncation"}
     cfg = load_config(None, VERL_PORTED)
     assert (cfg.policy.train_global_batch_size, cfg.loss.kl_coef, cfg.loss.kl_kind, cfg.generation.top_k,
