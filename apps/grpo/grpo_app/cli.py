@@ -141,9 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         return importlib.import_module(module).run(args)
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from grpo_app.config import (
-        load_config,  # no torch, no Ray: a config error answers before they are imported
-    )
+    # grpo_app.config imports no torch, no Ray: a config error answers before they are imported
+    from grpo_app.config import load_config
     from rl_core.config import ConfigError
 
     try:
