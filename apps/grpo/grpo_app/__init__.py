@@ -6,8 +6,11 @@ right one for every worker on this machine. Set here, before any module of this 
 """
 
 import os
+import time
 
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+
+STARTED = time.monotonic()  # the command's start, near enough (its first import): checkpointing.must_save_by counts from it
 
 # the console script the grpo-app wheel installs (pyproject.toml [project.scripts]; tests/test_wheels.py checks it)
 CONSOLE_SCRIPT = "grpo"

@@ -192,6 +192,30 @@ class CheckpointConfig:
     # resume even if policy.model_name, the parallel layout or env.name differ from the checkpoint's (not the engine
     # nor LoRA adapters: their checkpoints cannot load, checkpoint.check_identity)
     allow_config_change: bool = False
+    # "[DD:]HH:MM:SS" after the command started (NeMo-RL's checkpoint_must_save_by; a cluster job's time limit less a
+    # margin): the run saves a checkpoint and stops once another step would end past it; the same command resumes
+    must_save_by: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.must_save_by is not None:
+            duration_s(self.must_save_by, "checkpointing.must_save_by")
+            if not self.enabled:
+                raise ConfigError(f"checkpointing.must_save_by={self.must_save_by} stops the run once it has saved a "
+                                  "checkpoint: set checkpointing.enabled=true, or remove must_save_by")
+
+    @property
+    def must_save_by_s(self) -> int | None:
+        """`must_save_by` in seconds (None when unset)."""
+        return None if self.must_save_by is None else duration_s(self.must_save_by, "checkpointing.must_save_by")
+
+
+def duration_s(text: str, key: str) -> int:
+    """Seconds of a "[DD:]HH:MM:SS" duration; a ConfigError naming `key` otherwise."""
+    parts = text.split(":")
+    if len(parts) not in (3, 4) or not all(p.isdigit() for p in parts):
+        raise ConfigError(f"{key}={text!r} is not a duration: write HH:MM:SS or DD:HH:MM:SS (e.g. 03:50:00 for a "
+                          "4-hour job)")
+    return sum(int(p) * unit for p, unit in zip(reversed(parts), (1, 60, 3600, 86400)))
 
 
 @dataclass(kw_only=True)

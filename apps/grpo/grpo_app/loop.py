@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+import grpo_app
 from grpo_app.checkpoint import HF_DIR, CheckpointManager, run_identity
 from grpo_app.cluster import Workers
 from grpo_app.config import GRPOConfig
@@ -465,6 +466,10 @@ def train(run: Run, start_step: int = 0) -> None:
         if with_hf and done:
             logger.info("trained policy as a Hugging Face model (transformers, vLLM): %s", saved / HF_DIR)
 
+    must_save_by = run.cfg.checkpointing.must_save_by_s if run.checkpoints is not None else None
+    deadline = None if must_save_by is None else grpo_app.STARTED + must_save_by
+    longest = 0.0  # the longest step so far, with its validation and checkpoint: what the next one may take
+
     if start_step == cfg.max_steps and cfg.val_every:  # a finished run resumed: the sink dropped its last record
         run.sink.log(start_step, validation(start_step))
     if cfg.async_rollouts:
@@ -475,6 +480,7 @@ def train(run: Run, start_step: int = 0) -> None:
     # log lines above the bar, not glued to its end (Ray workers' lines, printed by Ray, still are)
     with logging_redirect_tqdm() if show_bar else contextlib.nullcontext():
         for step in bar:
+            began = time.monotonic()
             val = validation(step) if due(step) else {}  # the weights before this step's update
             step_metrics = grpo_step(run, step)
             metrics = {**val, **step_metrics}
@@ -482,12 +488,22 @@ def train(run: Run, start_step: int = 0) -> None:
                 logger.info("step %d (%d of %d): %s", step, step + 1, cfg.max_steps, format_metrics(metrics, STEP_LOG_KEYS))
             bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}", loss=f"{metrics.get('train/loss', 0):.2e}")
             done = step + 1 == cfg.max_steps
+            longest = max(longest, time.monotonic() - began)
+            out_of_time = deadline is not None and not done and time.monotonic() + longest > deadline
             record = StepRecord(run.sink, step, metrics)
             try:  # the step's record carries its checkpoint's time, and is logged even if the checkpoint fails
-                if run.checkpoints is not None and ((step + 1) % run.cfg.checkpointing.save_every == 0 or done):
+                if run.checkpoints is not None and ((step + 1) % run.cfg.checkpointing.save_every == 0 or done
+                                                    or out_of_time):
                     save_checkpoint(step, step_metrics, done, record.log)
             finally:
                 if not record.logged:
                     record.log()
+            longest = max(longest, time.monotonic() - began)
+            if out_of_time:
+                logger.warning("checkpointing.must_save_by=%s: stopping after step %d of %d, saved in %s (another step "
+                               "might end past it: the longest took %.0f s); the same command resumes from there",
+                               run.cfg.checkpointing.must_save_by, step + 1, cfg.max_steps,
+                               run.checkpoints.root / f"step_{step + 1}", longest)
+                break
             if done and cfg.val_every:  # after the checkpoint's record: W&B takes no step lower than its last
                 run.sink.log(step + 1, validation(step + 1))

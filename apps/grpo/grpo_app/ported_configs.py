@@ -67,6 +67,7 @@ NEMO_RL = Framework("NeMo-RL", keys={
     "checkpointing.checkpoint_dir": "checkpointing.dir",
     "checkpointing.metric_name": "checkpointing.metric",
     "checkpointing.save_period": "checkpointing.save_every",
+    "checkpointing.checkpoint_must_save_by": "checkpointing.must_save_by",
     "policy.generation": "generation",
     "policy.generation.vllm_kwargs": "generation.backend_kwargs",
     "policy.generation.colocated.enabled": "generation.colocated",

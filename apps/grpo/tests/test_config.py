@@ -437,3 +437,14 @@ def test_a_file_may_merge_an_anchored_mapping(tmp_path):
     path.write_text("x-opt: &opt {lr: 1.0e-4}\nkwargs: {<<: *opt, lr: 2.0e-4, lr: 3.0e-4}\n")
     with pytest.raises(ConfigError, match=r"c.yaml:2: duplicate key 'lr'"):
         load_yaml(path)
+
+
+def test_must_save_by_is_a_duration_and_needs_checkpoints():
+    assert load_config(None, ["checkpointing.must_save_by=01:02:03:04"]).checkpointing.must_save_by_s == (
+        86400 + 2 * 3600 + 3 * 60 + 4)
+    with pytest.raises(ConfigError, match=r"checkpointing.must_save_by='4h' is not a duration: write HH:MM:SS or "
+                                          r"DD:HH:MM:SS"):
+        load_config(None, ["checkpointing.must_save_by=4h"])
+    with pytest.raises(ConfigError, match=r"stops the run once it has saved a checkpoint: set "
+                                          r"checkpointing.enabled=true"):
+        load_config(None, ["checkpointing.must_save_by=03:50:00", "checkpointing.enabled=false"])

@@ -617,3 +617,30 @@ def test_a_checkpoint_appears_only_once_the_record_of_the_step_it_saves_is_logge
     ckpt_s = SlowValidationAndCheckpointWorkers.CKPT_S
     assert [r["timing/checkpoint_s"] >= ckpt_s for r in records if "timing/checkpoint_s" in r] == [True, True]
     assert [r["step"] for r in records if "timing/checkpoint_s" in r] == [1, 3]
+
+
+@pytest.mark.parametrize("left_s", [-1, 86400])
+def test_must_save_by_saves_a_checkpoint_and_stops_once_another_step_could_end_past_it(tmp_path, monkeypatch, caplog,
+                                                                                      left_s):
+    """NeMo-RL's checkpoint_must_save_by: a cluster job killed at its time limit lost every step since its last
+    checkpoint. With the time spent, the run saves step_1 (no multiple of save_every) and stops; with a day left, it
+    runs to the end and saves as usual."""
+    import grpo_app
+
+    monkeypatch.setattr(grpo_app, "STARTED", time.monotonic() - 3600 + left_s)  # must_save_by 1 h: left_s from now
+    run = make_run("grpo.max_steps=4", "grpo.val_every=0", "checkpointing.save_every=3", "checkpointing.save_hf=never",
+                   "checkpointing.must_save_by=01:00:00", "logger.progress_bar=false")
+    run.workers = SlowValidationAndCheckpointWorkers()
+    run.sink = MetricsSink(tmp_path, tensorboard=False, resume_step=None)
+    run.checkpoints = CheckpointManager(tmp_path / "checkpoints", keep_top_k=5, metric="m", higher_is_better=True)
+    loop.trainer_state(run, 0, None)  # imports the engine (as preflight has in a run), else in the first checkpoint
+    with caplog.at_level("WARNING", logger="grpo_app.loop"):
+        loop.train(run)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    if left_s < 0:
+        assert run.checkpoints.steps() == [1] and [r["step"] for r in records] == [0]
+        assert (f"checkpointing.must_save_by=01:00:00: stopping after step 1 of 4, saved in {tmp_path}/checkpoints/"
+                "step_1 (another step might end past it") in caplog.text
+    else:
+        assert run.checkpoints.steps() == [3, 4] and [r["step"] for r in records] == [0, 1, 2, 3]
+        assert "must_save_by" not in caplog.text

@@ -76,7 +76,7 @@ grpo: {max_num_steps: 7, max_rollout_turns: 1}
 loss_fn: {ratio_clip_min: 0.1, token_level_loss: false, use_on_policy_kl_approximation: false}
 data: {dataset_name: train.jsonl, shuffle: true}
 env: {math: {num_workers: 2}}
-checkpointing: {metric_name: val_reward}
+checkpointing: {metric_name: val_reward, checkpoint_must_save_by: "00:03:50:00"}
 """
 # the same run in this schema's names, written by hand from NeMo-RL's docs
 PORTED = """\
@@ -85,7 +85,7 @@ generation: {max_new_tokens: 24, colocated: true}
 env: {name: math, num_workers: 2, max_prompt_tokens: 16, train_data: train.jsonl}
 grpo: {max_steps: 7}
 loss: {eps_low: 0.1, agg: seq-mean-token-mean}
-checkpointing: {metric: val/reward_mean}
+checkpointing: {metric: val/reward_mean, must_save_by: "00:03:50:00"}
 """
 
 
@@ -100,7 +100,8 @@ def test_a_nemo_rl_config_gets_its_whole_port_in_one_error(tmp_path):
     assert renames.split(", ") == ["policy.generation.max_new_tokens -> generation.max_new_tokens",
                                    "policy.generation.colocated.enabled -> generation.colocated",
                                    "grpo.max_num_steps -> grpo.max_steps", "loss_fn.ratio_clip_min -> loss.eps_low",
-                                   "data.dataset_name -> env.train_data"]
+                                   "data.dataset_name -> env.train_data",
+                                   "checkpointing.checkpoint_must_save_by -> checkpointing.must_save_by"]
     assert settings.startswith("set otherwise here: ")
     assert settings.split(": ", 1)[1].split("; ") == [
         "policy.max_total_sequence_length=40 -> env.max_prompt_tokens and generation.max_new_tokens (the prompt and "
@@ -121,7 +122,7 @@ def test_a_nemo_rl_config_gets_its_whole_port_in_one_error(tmp_path):
     cfg = load_config(write(tmp_path / "ours.yaml", PORTED))
     assert (cfg.grpo.max_steps, cfg.loss.eps_low, cfg.loss.agg, cfg.env.name, cfg.env.num_workers) == (
         7, 0.1, "seq-mean-token-mean", "math", 2)
-    assert cfg.policy.sequence_packing.algorithm == "mffd"
+    assert cfg.policy.sequence_packing.algorithm == "mffd" and cfg.checkpointing.must_save_by_s == 3 * 3600 + 50 * 60
 
 
 VERL_COMMAND_LINE = [  # verl's examples/grpo_trainer/run_qwen2-7b.sh, shortened
