@@ -501,7 +501,7 @@ def train(run: Run, start_step: int = 0) -> None:
             longest = max(longest, time.monotonic() - began)
             if out_of_time:
                 logger.warning("checkpointing.must_save_by=%s: stopping after step %d of %d, saved in %s (another step "
-                               "might end past it: the longest took %.0f s); the same command resumes from there",
+                               "might end past it: the longest took %.1f s); the same command resumes from there",
                                run.cfg.checkpointing.must_save_by, step + 1, cfg.max_steps,
                                run.checkpoints.root / f"step_{step + 1}", longest)
                 break
