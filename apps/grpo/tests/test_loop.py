@@ -191,7 +191,11 @@ def test_reward_requests_carry_the_prompt_as_rendered_and_as_messages():
 def test_prev_logprob_pass_runs_only_with_several_optimizer_steps_per_batch():
     on_policy = make_run()  # 6 samples, train_global_batch_size 6: one optimizer step
     grpo_step(on_policy, 0)
-    assert on_policy.workers.logprob_calls == [] and on_policy.workers.trained[0].prev_logprobs is None
+    assert on_policy.workers.logprob_calls == [True]  # the reference's (cpu_default's loss.kl_coef), no prev pass
+    assert on_policy.workers.trained[0].prev_logprobs is None
+    without_kl = make_run("loss.kl_coef=0")
+    grpo_step(without_kl, 0)
+    assert without_kl.workers.logprob_calls == []
     off_policy = make_run("policy.train_global_batch_size=2", "loss.kl_coef=0.1")  # 3 steps: weights move
     grpo_step(off_policy, 0)
     assert off_policy.workers.logprob_calls == [False, True]  # prev, then the reference

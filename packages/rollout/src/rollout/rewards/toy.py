@@ -8,9 +8,10 @@ so the first thing to learn is "repeat the previous character": a direct embeddi
 The ideal completion is the character `answer_len` times, then the stop token ("7777</s>").
     reward = (1 - stop_bonus) * (# of the first answer_len chars equal to the target) / answer_len
              + stop_bonus * [the completion stopped (finish_reason "stop") after exactly answer_len chars]
-Partial credit per matching character gives GRPO a signal from the very first steps. A tiny random model
-learns the characters (0.8) but, in the runs measured, not the stop: the stop token starts at ~1/128 of the
-probability and is gone (< 1e-4) before the characters are learnt, as early stops cost characters.
+Partial credit per matching character gives GRPO a signal from the very first steps. The stop is harder: it
+starts at ~1/128 of the probability, and early stops cost characters, so plain GRPO trains it away (< 1e-4)
+before the characters are learnt and the reward ends at 0.8. A KL to the initial model keeps it sampled: the
+trainer's default (`loss.kl_coef=0.2`) reaches 0.93-1.0 in 100 steps (three seeds measured).
 
 `copy_digits`: the prompt ends with a digit string, e.g. "cp 3141:"; reward = share of positions of the
 string reproduced in order, plus the same stop bonus for stopping right after it.
