@@ -250,6 +250,7 @@ def test_default_run_learns_within_ten_minutes(tmp_path):
     assert val[-1] >= 0.85, f"validation reward {val}: the policy does not learn to stop (0.8: every character right)"
     assert elapsed <= 600, f"the default run took {elapsed:.0f} s (budget 600 s)"
     assert "validation reward:" in proc.stderr and "refit" in proc.stderr  # the summary table
+    assert "KL reference: the initial weights (loss.kl_coef=0.2)" in proc.stderr
     assert (tmp_path / "run/summary.png").stat().st_size > 0
 
 

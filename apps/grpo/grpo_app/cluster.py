@@ -429,9 +429,10 @@ class Workers:
             cfg.generation.colocated,
             policy=lambda method, **kwargs: ray.get([getattr(w, method).remote(**kwargs) for w in self.policy]),
             generators=lambda method: ray.get([getattr(g, method).remote() for g in self.generators]))
-        logger.info("workers up: %d policy ranks (dp=%d), %s, %s; refit: %s", world, self.dp_size,
+        logger.info("workers up: %d policy ranks (dp=%d), %s, %s; refit: %s%s", world, self.dp_size,
                     "generation in the policy ranks" if self.in_process else f"{len(self.generators)} generation",
-                    f"{len(self.rewarders)} reward" if self.rewarders else "rewards in the driver", path.value)
+                    f"{len(self.rewarders)} reward" if self.rewarders else "rewards in the driver", path.value,
+                    f"; KL reference: the initial weights (loss.kl_coef={cfg.loss.kl_coef})" if with_reference else "")
 
     # ---- policy --------------------------------------------------------------------------------------
     def _shards(self, batch: TokenBatch) -> list[list[int]]:
