@@ -590,6 +590,12 @@ def preflight(cfg: GRPOConfig, *, training: bool = True) -> GRPOConfig:
     cfg = expand_home(cfg)
     check_bounds(cfg)
     check_optimizer(cfg.policy.optimizer)
+    if training:  # eval logs to no W&B run, and steps no schedule
+        check_wandb_installed(cfg.logger.wandb)
+        check_schedule(cfg)
+        check_checkpointing(cfg)
+    check_environment(cfg, training=training)  # these need no engine: found before its imports (seconds)
+    check_reward_function(cfg)
     engine_cls = ENGINES.get(cfg.policy.engine_name, config_key=cfg.policy.engine_config_key)
     try:
         engine_cfg = engine_cls.validate_config(cfg.policy) if isinstance(engine_cls, ValidatesConfig) else None
@@ -602,12 +608,6 @@ def preflight(cfg: GRPOConfig, *, training: bool = True) -> GRPOConfig:
     check_kwargs(backend_cls, cfg.generation.backend_kwargs, "generation.backend_kwargs", given=("model_path",))
     check_backend_options(backend_cls, cfg.generation.backend_kwargs)
     check_backend_installed(cfg, backend_cls)
-    if training:  # eval logs to no W&B run, and steps no schedule
-        check_wandb_installed(cfg.logger.wandb)
-        check_schedule(cfg)
-        check_checkpointing(cfg)
-    check_environment(cfg, training=training)
-    check_reward_function(cfg)
     cfg = resolve_model(cfg)
     check_hardware(cfg.cluster, detect_hardware())
     check_model_dir(cfg.policy.model_name)

@@ -1,11 +1,14 @@
 """Run settings checked before the run: the lr schedule against the run's length, checkpoint scoring, a run that
-saves no model, and `~` in path keys."""
+saves no model, and `~` in path keys; and that those errors come before the engine's imports."""
 
 from __future__ import annotations
 
 import logging
 import math
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -83,3 +86,24 @@ def test_checkpointing_is_checked_before_the_run(caplog):
     for recipe in sorted(CONFIG_DIR.glob("*.yaml")):
         check_checkpointing(load_config(recipe, []))
     assert not caplog.records, [r.getMessage() for r in caplog.records]
+
+
+def test_config_errors_that_need_no_engine_come_before_its_imports():
+    """A wrong env, schedule or checkpointing key is found before the engine's package is imported (torch
+    distributed, megatron-core: seconds of a user's wait for a typo). A fresh interpreter, where nothing is
+    imported yet."""
+    probe = ("import sys; from grpo_app.config import load_config; from grpo_app.preflight import preflight\n"
+             "from rl_core.config import ConfigError\n"
+             "try: preflight(load_config(overrides=[sys.argv[1]]))\n"
+             "except ConfigError as exc: print('error:', exc)\n"
+             "print('imported:', sorted(m for m in sys.modules if m.startswith(('engine_dtensor', 'engine_megatron'))))")
+    for override, error in (("env.name=chess", "env.name='chess' is not known"),
+                            ("checkpointing.metric=val/nope", "checkpointing.metric='val/nope' is not a validation metric"),
+                            ("policy.megatron_cfg.enabled=true", None)):  # the control: the probe sees an import
+        proc = subprocess.run([sys.executable, "-c", probe, override], capture_output=True, text=True, timeout=300,
+                              cwd=Path(__file__).resolve().parents[1])
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        if error is None:
+            assert "imported: []" not in proc.stdout and "engine_megatron" in proc.stdout, proc.stdout
+        else:
+            assert error in proc.stdout and "imported: []" in proc.stdout, proc.stdout
