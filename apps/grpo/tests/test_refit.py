@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 from grpo_app.refit import RefitGroup
-from rl_core.testing.distributed import free_port, run_distributed
+from rl_core.distributed import free_port
+from rl_core.testing.distributed import run_distributed
 
 
 def tensors() -> list[tuple[str, torch.Tensor]]:

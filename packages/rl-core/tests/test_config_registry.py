@@ -369,6 +369,31 @@ def test_run_distributed_spawn_mode_runs_gloo_ranks_in_fresh_interpreters():
     assert len({r[2] for r in results} | {os.getpid()}) == 3
 
 
+def _rendezvous_port(rank, world_size):
+    return int(os.environ["MASTER_PORT"]), all_reduce_metrics({"loss": float(rank + 1)})
+
+
+@pytest.mark.distributed
+def test_run_distributed_rendezvous_survives_a_port_taken_after_it_was_picked(monkeypatch):
+    """CI saw "EADDRINUSE ... port: 35259": a port found free in the parent was taken before rank 0 listened on
+    it. Here every port "found free" is one a socket of this test already listens on: the ranks must still meet."""
+    import socket
+
+    import rl_core.distributed
+    import rl_core.testing.distributed as harness
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        monkeypatch.setattr(rl_core.distributed, "free_port", lambda host="127.0.0.1": busy)
+        monkeypatch.setattr(harness, "free_port", lambda host="127.0.0.1": busy, raising=False)
+        results = run_distributed(_rendezvous_port, world_size=2, timeout=60)
+    ports = {port for port, _ in results}
+    assert len(ports) == 1 and busy not in ports  # one store, on a port the OS gave rank 0
+    assert [metrics for _, metrics in results] == [{"loss": 3.0}, {"loss": 3.0}]
+
+
 def test_run_distributed_refuses_to_fork_nccl_ranks():
     with pytest.raises(ValueError, match="forked ranks cannot use CUDA"):
         run_distributed(_rank_and_cuda_state, world_size=2, backend=CUDA_BACKEND, start_method="fork")

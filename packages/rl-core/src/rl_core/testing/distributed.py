@@ -27,13 +27,32 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rl_core.distributed import free_port
-
 CUDA_BACKEND = "cpu:gloo,cuda:nccl"  # the engines' own choice with CUDA: NCCL for GPU tensors, gloo for CPU ones
 
 
-def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, queue: Any, backend: str,
-            timeout: float) -> None:
+def _rendezvous_store(rank: int, world_size: int, port: Any, port_ready: Any, timeout: float) -> Any:
+    """The group's TCPStore, race-free: rank 0 listens on a port the OS gives it (port 0) and publishes it.
+
+    A port picked free in the parent and bound later by rank 0 can be taken in between (by another test's
+    rendezvous or a client socket's ephemeral port): CI saw "EADDRINUSE ... port: 35259" that way.
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=timeout))
+        port.value = store.port
+        port_ready.set()
+        return store
+    if not port_ready.wait(timeout):
+        raise TimeoutError(f"rank 0 did not open its rendezvous store within {timeout:.0f} s")
+    return dist.TCPStore("127.0.0.1", port.value, world_size, is_master=False, timeout=timedelta(seconds=timeout))
+
+
+def _worker(fn: Callable, rank: int, world_size: int, port: Any, port_ready: Any, args: tuple, queue: Any,
+            backend: str, timeout: float) -> None:
     import faulthandler
 
     import torch
@@ -41,16 +60,16 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, qu
 
     # a rank that hangs prints where, just before the parent gives up on it (the test's captured stderr)
     faulthandler.dump_traceback_later(max(timeout - 5.0, 1.0), exit=False)
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     try:
+        store = _rendezvous_store(rank, world_size, port, port_ready, timeout)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port.value), RANK=str(rank),
+                          WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
         if isinstance(fn, _FunctionByFile):
             fn = fn.load()
         if "nccl" in backend:
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         # Plain pickle: torch's ForkingPickler would pass tensors as shared-memory handles that die
         # with this process before the parent reads them.
@@ -110,8 +129,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, args: tuple = (
         # the rank hung in ~ClientCallManager's std::thread::join).
         gc.collect()
     queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue, backend, timeout))
+    port, port_ready = ctx.Value("i", 0), ctx.Event()
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, port_ready, args, queue, backend, timeout))
              for r in range(world_size)]
     for proc in procs:
         proc.start()
