@@ -34,7 +34,6 @@ from grpo_app.worker_logging import LOG_LEVEL_ENV
 from grpo_app.workers import GenerationWorker, PolicyWorker
 from rl_core.batch import TokenBatch
 from rl_core.config import ConfigError
-from rl_core.distributed import free_port
 from rl_core.interfaces import Completion, RewardRequest, RewardResult, SamplingParams
 from rl_core.metrics import combine_optimizer_steps
 from rl_core.registry import GENERATION_BACKENDS
@@ -201,8 +200,8 @@ def generate_by_replica(replicas: list[list[Any]], prompts: list[list[int]], par
 
 
 @ray.remote(num_cpus=0)
-def _node_address() -> tuple[str, int]:
-    return ray.util.get_node_ip_address(), free_port()
+def _node_ip() -> str:
+    return ray.util.get_node_ip_address()
 
 
 @ray.remote(num_cpus=0)
@@ -325,11 +324,12 @@ class Placement:
         """A zero-resource task on policy rank `rank`'s node (inside its bundle on GPUs)."""
         return {k: v for k, v in self._options(rank, 0).items() if k != "num_gpus"}
 
-    def rendezvous(self, rank: int) -> tuple[str, int]:
-        """(ip, free port) on the node of policy rank `rank`; 127.0.0.1 for a local CPU run."""
+    def node_ip(self, rank: int) -> str:
+        """The address policy rank `rank` listens on for the groups it hosts: its node's, 127.0.0.1 for a local
+        CPU run."""
         if self.group is None and not self.cfg.cluster.address:
-            return LOOPBACK, free_port()
-        return ray.get(_node_address.options(**self._task_options(rank)).remote())
+            return LOOPBACK
+        return ray.get(_node_ip.options(**self._task_options(rank)).remote())
 
 
 def check_shared_dir(placement: Placement, directory: str | os.PathLike[str], key: str) -> None:
@@ -390,13 +390,18 @@ class Workers:
         if cfg.cluster.address and cfg.checkpointing.enabled:  # a local Ray is one machine: one filesystem
             check_shared_dir(placement, cfg.checkpoint_dir,
                              "checkpointing.dir" if cfg.checkpointing.dir else "logger.log_dir (its checkpoints/)")
-        master = placement.rendezvous(0)  # policy rank 0's node hosts the training process group's store
         with_reference = cfg.loss.kl_coef != 0.0
         self.policy = [
             _role(PolicyWorker.options(**placement.policy_options(rank)).remote(
-                cfg.policy, rank, world, master, with_reference=with_reference, num_threads=threads), f"policy rank {rank}")
+                cfg.policy, rank, world, with_reference=with_reference, num_threads=threads), f"policy rank {rank}")
             for rank in range(world)
         ]
+        # Policy rank 0 hosts the stores of the training group and of the refit group, each on a port its OS picks
+        # as it listens (a port found free ahead can be taken before it is bound); the others get it as an
+        # ObjectRef, which Ray resolves before their call runs. The engines build while the generators start.
+        host = placement.node_ip(0)
+        port = self.policy[0].open_store.remote(host, world)
+        started = [w.start.remote(host, port) for w in self.policy]
         path = refit_path(cfg)
         self.in_process = path is RefitPath.IN_PROCESS
         if self.in_process:  # hybrid: every policy rank generates; refit is a copy inside each process
@@ -417,12 +422,12 @@ class Workers:
         self.rewarders = [_role(RewardWorker.options(num_cpus=0).remote(cfg.env.name, cfg.env.kwargs), f"reward worker {i}")
                           for i in range(cfg.env.num_workers)]
         self.local_env = None if self.rewarders else create_environment(cfg.env.name, **cfg.env.kwargs)
-        self.dp_layout = ray.get([w.layout.remote() for w in self.policy])  # (dp_rank, dp_size) per rank
+        self.dp_layout = ray.get(started)  # (dp_rank, dp_size) per rank
         self.dp_size = self.dp_layout[0][1]
         if not self.in_process:
-            host, port = placement.rendezvous(0)  # refit group: policy rank 0 sends, generators receive
             refit_world, device = 1 + len(self.generators), "cuda" if path is RefitPath.NCCL else "cpu"
-            ray.get([w.join_refit.remote(host, port, refit_world, device) for w in self.policy]
+            port = self.policy[0].open_store.remote(host, refit_world)  # policy rank 0 sends
+            ray.get([w.join_refit.remote(refit_world, device) for w in self.policy]
                     + [g.join_refit.remote(host, port, i + 1, refit_world, device)
                        for i, g in enumerate(self.generators)])
         self.colocation = Colocation(

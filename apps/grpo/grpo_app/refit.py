@@ -106,9 +106,16 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
-def tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout: datetime.timedelta) -> dist.TCPStore:
-    """A TCPStore whose server listens on `host` only (torch's own binds every interface: a local run
-    must not listen beyond 127.0.0.1)."""
+STORE_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def tcp_store(host: str, port: int, world_size: int, is_master: bool,
+              timeout: datetime.timedelta = STORE_TIMEOUT) -> dist.TCPStore:
+    """A group's TCPStore. The master's server listens on `host` only (torch's own binds every interface: a
+    local run must not listen beyond 127.0.0.1), on `port`, or with port 0 on one the OS picks as it binds
+    (`store.port`): a port found free ahead and bound later can be taken in between ("Address already in use",
+    seen in CI with two test processes). The master does not wait for the others, so it can be opened first
+    and its port sent to them; the group they form waits for every rank."""
     if not is_master:
         return dist.TCPStore(host, port, world_size, False, timeout=timeout)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -116,16 +123,18 @@ def tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout: d
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind((host, port))
     listener.listen(128)
-    return dist.TCPStore(host, port, world_size, True, timeout=timeout, master_listen_fd=listener.detach())
+    port = listener.getsockname()[1]
+    return dist.TCPStore(host, port, world_size, True, timeout=timeout, wait_for_workers=False,
+                         master_listen_fd=listener.detach())
 
 
 class RefitGroup:
-    """One sender (rank 0) and `world_size - 1` receivers over a standalone gloo/NCCL group."""
+    """One sender (rank 0) and `world_size - 1` receivers over a standalone gloo/NCCL group on `store`
+    (`tcp_store`: the sender's, the others' connected to it)."""
 
-    def __init__(self, host: str, port: int, rank: int, world_size: int, *, device: str = "cpu",
+    def __init__(self, store: dist.Store, rank: int, world_size: int, *, device: str = "cpu",
                  timeout_s: float = 600.0) -> None:
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = tcp_store(host, port, world_size, rank == 0, timeout)
         if device == "cuda":
             self.group = dist.ProcessGroupNCCL(store, rank, world_size, timeout)
         else:

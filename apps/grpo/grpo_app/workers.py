@@ -9,7 +9,6 @@ refit tensors move over a separate `RefitGroup`, not Ray's object store.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 from collections.abc import Sequence
@@ -24,13 +23,13 @@ from grpo_app.worker_logging import setup_worker_logging
 logger = logging.getLogger(__name__)
 
 
-def join_policy_group(rank: int, world_size: int, master: tuple[str, int]) -> None:
-    """The policy ranks' default process group, with the backend the engines expect (rl_core.distributed)."""
+def join_policy_group(rank: int, world_size: int, store: Any) -> None:
+    """The policy ranks' default process group on `store` (`tcp_store`), with the backend the engines expect
+    (rl_core.distributed)."""
     import torch.distributed as dist
 
     from rl_core.distributed import process_group_backend
 
-    store = tcp_store(master[0], master[1], world_size, rank == 0, datetime.timedelta(minutes=10))
     dist.init_process_group(process_group_backend(torch.cuda.is_available()), store=store, rank=rank,
                             world_size=world_size)
 
@@ -85,26 +84,38 @@ class PolicyWorker(GeneratorHost):
     copy inside the engine when it implements `ReferencePolicy`, else a second engine); with
     `generation.in_policy_workers`, also a generation backend that refits by an in-process copy."""
 
-    def __init__(self, policy: Any, rank: int, world_size: int, master: tuple[str, int], *,
-                 with_reference: bool, num_threads: int = 1) -> None:
+    def __init__(self, policy: Any, rank: int, world_size: int, *, with_reference: bool, num_threads: int = 1) -> None:
+        _setup_process(num_threads)
+        self.policy, self.rank, self.world_size, self.with_reference = policy, rank, world_size, with_reference
+        self.store: Any = None  # rank 0's: the store of the group it joins next (open_store)
+        self.reference = None
+        self.refit: RefitGroup | None = None
+
+    def open_store(self, host: str, world_size: int) -> int:
+        """Rank 0 hosts each group's store: opened here on a port the OS picks, which the driver hands to the
+        other members; the next `start` or `join_refit` forms the group on it."""
+        self.store = tcp_store(host, 0, world_size, True)
+        return self.store.port
+
+    def _take_store(self) -> Any:
+        store, self.store = self.store, None
+        return store
+
+    def start(self, host: str, port: int) -> tuple[int, int]:
+        """Join the training group (its store at host:port) and build the engine(s); returns (dp_rank, dp_size)."""
         from rl_core.interfaces import ReferencePolicy
         from rl_core.registry import create_engine
 
-        _setup_process(num_threads)
-        os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(rank),
-                          WORLD_SIZE=str(world_size), LOCAL_RANK="0")
-        join_policy_group(rank, world_size, master)
-        self.rank = rank
-        self.engine = create_engine(policy)
+        os.environ.update(MASTER_ADDR=host, MASTER_PORT=str(port), RANK=str(self.rank),
+                          WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
+        store = self._take_store() if self.rank == 0 else tcp_store(host, port, self.world_size, False)
+        join_policy_group(self.rank, self.world_size, store)
+        self.engine = create_engine(self.policy)
         # Taken before any checkpoint is loaded: on resume the reference is still the initial model.
-        self.reference = None
-        if with_reference and isinstance(self.engine, ReferencePolicy):
+        if self.with_reference and isinstance(self.engine, ReferencePolicy):
             self.engine.snapshot_reference()
-        elif with_reference:  # an engine without the weights-only reference: a second, frozen engine
-            self.reference = create_engine(policy)
-        self.refit: RefitGroup | None = None
-
-    def layout(self) -> tuple[int, int]:
+        elif self.with_reference:  # an engine without the weights-only reference: a second, frozen engine
+            self.reference = create_engine(self.policy)
         return self.engine.dp_rank, self.engine.dp_size
 
     def compute_logprobs(self, batch: Any, reference: bool = False) -> torch.Tensor:
@@ -136,9 +147,10 @@ class PolicyWorker(GeneratorHost):
     def onload(self) -> None:
         self.engine.onload()
 
-    def join_refit(self, host: str, port: int, world_size: int, device: str) -> None:
+    def join_refit(self, world_size: int, device: str) -> None:
+        """Rank 0 sends to the generation workers, on the store it opened (open_store); the other ranks stay out."""
         if self.rank == 0:
-            self.refit = RefitGroup(host, port, 0, world_size, device=device)
+            self.refit = RefitGroup(self._take_store(), 0, world_size, device=device)
 
     def refit_in_process(self) -> int:
         """Every rank gathers the full tensors (collective) and streams them into its own generator."""
@@ -164,7 +176,7 @@ class GenerationWorker(GeneratorHost):
         self.refit: RefitGroup | None = None
 
     def join_refit(self, host: str, port: int, rank: int, world_size: int, device: str) -> None:
-        self.refit = RefitGroup(host, port, rank, world_size, device=device)
+        self.refit = RefitGroup(tcp_store(host, port, world_size, False), rank, world_size, device=device)
 
     def receive_weights(self) -> None:
         self.refit.receive_into(self.backend.update_weights)

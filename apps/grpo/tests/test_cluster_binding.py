@@ -1,5 +1,6 @@
 """A local run listens on 127.0.0.1 only (issue 17): Ray's GCS, raylet, driver and worker servers, and the
-TCPStore + gloo sockets of a process group, listed from the kernel's socket table for the run's processes."""
+TCPStore + gloo sockets of a process group, listed from the kernel's socket table for the run's processes. Its
+groups' stores listen on ports picked as they bind, not found free ahead."""
 
 from __future__ import annotations
 
@@ -7,28 +8,30 @@ import ipaddress
 import os
 import subprocess
 import sys
+import tempfile
 
 import psutil
 import ray
 
 from grpo_app.cluster import start_ray
 from grpo_app.config import load_config
-from rl_core.distributed import free_port
 
 
 @ray.remote(num_cpus=0)
 class GroupHolder:
     """One rank of a gloo group over the app's TCPStore, kept alive while the test lists sockets."""
 
-    def join(self, host: str, port: int) -> int:
+    def join(self, host: str) -> tuple[int, int]:
+        """(pid, the store's port)"""
         import torch
 
-        from grpo_app.refit import RefitGroup
+        from grpo_app.refit import RefitGroup, tcp_store
 
-        self.group = RefitGroup(host, port, rank=0, world_size=1)
+        store = tcp_store(host, 0, 1, True)
+        self.group = RefitGroup(store, rank=0, world_size=1)
         tensor = torch.ones(2)
         self.group.group.allreduce([tensor]).wait()
-        return os.getpid()
+        return os.getpid(), store.port
 
 
 def _run_processes() -> set[int]:
@@ -49,8 +52,7 @@ def test_local_run_listens_on_loopback_only():
     start_ray(cfg)
     try:
         holder = GroupHolder.remote()
-        host, port = "127.0.0.1", free_port()
-        worker_pid = ray.get(holder.join.remote(host, port))
+        worker_pid, port = ray.get(holder.join.remote("127.0.0.1"))
         pids = _run_processes()
         assert worker_pid in pids
         listening = [(c.laddr.ip, c.laddr.port, c.pid) for c in psutil.net_connections(kind="inet")
@@ -118,3 +120,47 @@ def test_a_reward_worker_imports_neither_torch_nor_transformers():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split()[-2:] == ["1.0", "[]"], proc.stdout
+
+
+def _start_and_refit_with_every_free_port_taken(rank: int, world_size: int, cfg) -> int:
+    """Workers(cfg) on a local Ray (this spawned process is the driver) while every port found free ahead is one
+    this process already listens on; then a refit. Returns the bytes refit sent."""
+    import socket
+
+    import rl_core.distributed
+    from grpo_app import cluster
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    busy = taken.getsockname()[1]
+    rl_core.distributed.free_port = lambda host="127.0.0.1": busy
+    if hasattr(cluster, "free_port"):  # where a module took its own name for it
+        cluster.free_port = rl_core.distributed.free_port
+    cluster.start_ray(cfg)
+    try:
+        workers = cluster.Workers(cfg)
+        try:
+            return workers.refit()
+        finally:
+            workers.shutdown()
+    finally:
+        cluster.stop_ray()
+        taken.close()
+
+
+def test_the_run_forms_its_groups_on_ports_its_stores_pick_as_they_listen(tmp_path, monkeypatch):
+    """The training group's and the refit group's stores listen on ports the OS picks as policy rank 0 binds them,
+    sent to the other members: a port found free by the driver and bound later by rank 0 can be taken in between
+    (two runs or test processes on one machine: "Address already in use", which failed CI in the test harness).
+    Here every port found free ahead is already taken; two policy ranks and a generation worker still form both
+    groups, and a refit moves the weights."""
+    from grpo_app.preflight import preflight
+    from rl_core.testing.distributed import run_distributed
+
+    monkeypatch.setenv("RAY_TMPDIR", tempfile.gettempdir())
+    cfg = preflight(load_config(None, ["cluster.train_world_size=2", "generation.num_workers=1",
+                                       f"logger.log_dir={tmp_path / 'run'}"]))
+    (sent,) = run_distributed(_start_and_refit_with_every_free_port_taken, world_size=1, args=(cfg,),
+                              start_method="spawn", timeout=300)
+    assert sent > 0

@@ -101,11 +101,11 @@ def test_policy_ranks_are_node_major(ray_cluster, monkeypatch, world: int, gener
 
         # the training group's and the refit group's store is on policy rank 0's node
         @ray.remote(num_cpus=0)
-        def node_id() -> tuple[str, int]:
-            return ray.get_runtime_context().get_node_id(), 0
+        def node_id() -> str:
+            return ray.get_runtime_context().get_node_id()
 
-        monkeypatch.setattr(cluster, "_node_address", node_id)
-        assert placement.rendezvous(0) == (policy[0], 0)
+        monkeypatch.setattr(cluster, "_node_ip", node_id)
+        assert placement.node_ip(0) == policy[0]
     finally:
         placement.remove()
 

@@ -90,13 +90,13 @@ def test_policy_ranks_join_a_group_that_reduces_host_tensors(monkeypatch, cuda: 
     import torch
     import torch.distributed as dist
 
+    from grpo_app.refit import tcp_store
     from grpo_app.workers import join_policy_group
-    from rl_core.distributed import free_port
 
     joined = {}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: joined.update(backend=backend, **kw))
-    join_policy_group(0, 1, ("127.0.0.1", free_port()))
+    join_policy_group(0, 1, tcp_store("127.0.0.1", 0, 1, True))
     assert joined["backend"] == ("cpu:gloo,cuda:nccl" if cuda else "gloo")
     assert (joined["rank"], joined["world_size"]) == (0, 1)
 

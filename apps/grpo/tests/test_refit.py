@@ -8,8 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from grpo_app.refit import RefitGroup
-from rl_core.distributed import free_port
+from grpo_app.refit import RefitGroup, tcp_store
 from rl_core.testing.distributed import run_distributed
 
 
@@ -23,13 +22,13 @@ def tensors() -> list[tuple[str, torch.Tensor]]:
     ]
 
 
-def _agreed_port() -> int:
-    """A free port for the refit group, picked by rank 0 once run_distributed's own group holds its port, and sent
-    to every rank: two free_port() calls in the test's process could return the same port, which both groups then
-    bind ("Address already in use", seen in CI)."""
-    port = [free_port() if dist.get_rank() == 0 else None]
+def _refit_group(rank: int, world_size: int, **kwargs) -> RefitGroup:
+    """The refit group as the trainer forms it: rank 0 opens the store on a port its OS picks, the others are told it."""
+    store = tcp_store("127.0.0.1", 0, world_size, True) if rank == 0 else None
+    port = [store.port if rank == 0 else None]
     dist.broadcast_object_list(port, src=0)
-    return port[0]
+    store = store or tcp_store("127.0.0.1", port[0], world_size, False)
+    return RefitGroup(store, rank, world_size, **kwargs)
 
 
 def tensors_of_every_kind() -> list[tuple[str, torch.Tensor]]:
@@ -42,7 +41,7 @@ def tensors_of_every_kind() -> list[tuple[str, torch.Tensor]]:
 
 
 def _refit(rank: int, world_size: int, bucket_bytes: int):
-    group = RefitGroup("127.0.0.1", _agreed_port(), rank, world_size)
+    group = _refit_group(rank, world_size)
     if rank == 0:
         return group.send(tensors_of_every_kind(), bucket_bytes=bucket_bytes)
     return [(name, tensor.clone()) for name, tensor in group.receive()]
@@ -66,7 +65,7 @@ def _sender_holding(rank: int, world_size: int, bucket_bytes: int):
     its storage) and the largest tensor it allocates (a dispatch mode over `send`)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    group = RefitGroup("127.0.0.1", _agreed_port(), rank, world_size)
+    group = _refit_group(rank, world_size)
     sizes = [40, 24, 24, 3 * bucket_bytes, 8, 16]  # bytes (float32)
     if rank != 0:
         return [(name, tensor.clone()) for name, tensor in group.receive()]
@@ -115,7 +114,7 @@ def test_refit_sender_holds_one_bucket_buffer_and_no_tensor_it_has_copied():
 
 def _refused_refit(rank: int, world_size: int):
     """Rank 0 sends a tensor of the wrong shape, then a good refit; rank 1's loader refuses the bad one."""
-    group = RefitGroup("127.0.0.1", _agreed_port(), rank, world_size, timeout_s=20.0)  # old code: blocked until here
+    group = _refit_group(rank, world_size, timeout_s=20.0)  # old code: blocked until here
     good = tensors()
     bad = [(name, torch.zeros(2, 2) if i == 1 else t) for i, (name, t) in enumerate(good)]
     bad.insert(2, ("model.norm.weight", torch.zeros(2**22)))  # 16 MB: more than socket buffers hold
