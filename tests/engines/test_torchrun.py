@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from rl_core.distributed import free_port
 from rl_core.testing.distributed import run_distributed
 from rl_core.testing.tiny_models import cached_tiny_checkpoint
 
@@ -44,9 +43,10 @@ def test_torchrun_two_ranks_equal_one_rank(tmp_path, engine):
     ckpt = str(cached_tiny_checkpoint("qwen2"))
     out = tmp_path / "two_ranks.pt"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    # an explicit port: with --master_port 0 the workers are told MASTER_PORT=0 and wait forever
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(SCRIPT), engine, ckpt, str(out), str(VOCAB)]
+    # --standalone: torchrun's store listens on a port its OS picks as it binds, and the workers join that store (a
+    # port found free here and passed as --master_port can be taken before torchrun binds it)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT), engine,
+           ckpt, str(out), str(VOCAB)]
     proc = subprocess.Popen(cmd, env={**env, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:

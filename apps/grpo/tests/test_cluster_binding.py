@@ -123,8 +123,9 @@ def test_a_reward_worker_imports_neither_torch_nor_transformers():
 
 
 def _start_and_refit_with_every_free_port_taken(rank: int, world_size: int, cfg) -> int:
-    """Workers(cfg) on a local Ray (this spawned process is the driver) while every port found free ahead is one
-    this process already listens on; then a refit. Returns the bytes refit sent."""
+    """Workers(cfg) on a local Ray (this spawned process is the driver) while any port found free ahead (the driver
+    did, with rl_core.distributed's free_port, since removed) is one this process already listens on; then a
+    refit. Returns the bytes refit sent."""
     import socket
 
     import rl_core.distributed

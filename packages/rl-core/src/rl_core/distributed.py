@@ -1,4 +1,4 @@
-"""Process-group bootstrap shared by every engine, and a free TCP port for rendezvous.
+"""Process-group bootstrap shared by every engine.
 
 Owns one decision: which torch.distributed group an engine trains in. In order: the default group
 that already exists (the trainer's workers, a test harness, a user who called init_process_group);
@@ -13,7 +13,6 @@ import atexit
 import gc
 import logging
 import os
-import socket
 import time
 
 import torch
@@ -22,13 +21,6 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on `host` now (the OS picks it; another process may take it later)."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def process_group_backend(use_cuda: bool) -> str:
