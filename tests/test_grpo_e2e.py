@@ -391,6 +391,40 @@ def test_a_stopped_run_exits_promptly_with_one_line_and_leaves_no_process(tmp_pa
 
 
 @pytest.mark.slow
+def test_sigusr1_saves_after_the_step_in_progress_stops_and_the_same_command_resumes(tmp_path):
+    """A batch job's warning before its time limit (Slurm's --signal=B:USR1@300): SIGUSR1 to the driver mid-run
+    saves a checkpoint after the step in progress (none was due: save_every=100) and exits 0; the same command
+    resumes from it. Before, SIGUSR1's default action killed the driver on the spot, its actors left running."""
+    from rl_core.checkpoint_io import verify_manifest
+
+    log_dir, log = tmp_path / "run", tmp_path / "run.log"
+    overrides = ("grpo.val_every=0", "logger.plot=false", "checkpointing.save_every=100")
+    env = {**os.environ, "RL_STACK_CACHE": str(tmp_path / "cache")}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(grpo_command(log_dir, "grpo.max_steps=200", *overrides), cwd=ROOT, env=env,
+                                stdout=out, stderr=out, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while " (1 of 200): " not in log.read_text():  # a step done: the run is in its loop
+            assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGUSR1)
+        assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    saved = [p.name for p in (log_dir / "checkpoints").glob("step_*")]
+    assert len(saved) == 1, saved
+    step = int(saved[0][5:])
+    verify_manifest(log_dir / "checkpoints" / saved[0])
+    assert f"SIGUSR1: stopping after step {step} of 200, saved in {log_dir}/checkpoints/step_{step}" in log.read_text()
+    assert [r["step"] for r in read_metrics(log_dir)] == list(range(step))
+    records = run_grpo(log_dir, f"grpo.max_steps={step + 1}", *overrides)
+    assert f"resumed from {log_dir}/checkpoints/step_{step} at step {step}" in (tmp_path / "run.log").read_text()
+    assert [r["step"] for r in records] == list(range(step + 1))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["dtensor", "megatron"])
 def test_lora_few_steps_through_ray(tmp_path, engine):
     """`policy.<engine>_cfg.lora_cfg.enabled=true`, with a KL penalty (the reference is the base model: adapters

@@ -412,8 +412,9 @@ class StepRecord:
         self.sink.log(self.step, self.metrics)
 
 
-def train(run: Run, start_step: int = 0) -> None:
-    """The outer loop: validate, step, log, checkpoint.
+def train(run: Run, start_step: int = 0, save_requested: Callable[[], bool] = lambda: False) -> None:
+    """The outer loop: validate, step, log, checkpoint. Once `save_requested()` (SIGUSR1: main), a checkpoint
+    after the step in progress, and the run stops.
 
     Validation of step s (the weights after s steps) is logged with step s's record. A checkpoint of step
     s is scored with that same validation, so when one is due the validation runs before it is written
@@ -469,6 +470,7 @@ def train(run: Run, start_step: int = 0) -> None:
     must_save_by = run.cfg.checkpointing.must_save_by_s if run.checkpoints is not None else None
     deadline = None if must_save_by is None else grpo_app.STARTED + must_save_by
     longest = 0.0  # the longest step so far, with its validation and checkpoint: what the next one may take
+    warned_signal = False  # SIGUSR1 without checkpointing: said once
 
     if start_step == cfg.max_steps and cfg.val_every:  # a finished run resumed: the sink dropped its last record
         run.sink.log(start_step, validation(start_step))
@@ -490,15 +492,25 @@ def train(run: Run, start_step: int = 0) -> None:
             done = step + 1 == cfg.max_steps
             longest = max(longest, time.monotonic() - began)
             out_of_time = deadline is not None and not done and time.monotonic() + longest > deadline
+            signalled = save_requested() and not done and not warned_signal
+            if signalled and run.checkpoints is None:  # nothing to save: stopping would only lose the rest
+                logger.warning("SIGUSR1: checkpointing.enabled=false, nothing to save; the run goes on (Ctrl-C or "
+                               "SIGTERM stop it)")
+                warned_signal, signalled = True, False
+            stop_now = out_of_time or signalled
             record = StepRecord(run.sink, step, metrics)
             try:  # the step's record carries its checkpoint's time, and is logged even if the checkpoint fails
                 if run.checkpoints is not None and ((step + 1) % run.cfg.checkpointing.save_every == 0 or done
-                                                    or out_of_time):
+                                                    or stop_now):
                     save_checkpoint(step, step_metrics, done, record.log)
             finally:
                 if not record.logged:
                     record.log()
             longest = max(longest, time.monotonic() - began)
+            if signalled:
+                logger.warning("SIGUSR1: stopping after step %d of %d, saved in %s; the same command resumes from "
+                               "there", step + 1, cfg.max_steps, run.checkpoints.root / f"step_{step + 1}")
+                break
             if out_of_time:
                 logger.warning("checkpointing.must_save_by=%s: stopping after step %d of %d, saved in %s (another step "
                                "might end past it: the longest took %.1f s); the same command resumes from there",

@@ -38,11 +38,13 @@ class Terminated(BaseException):
 @dataclass
 class StopState:
     """`first`: the signal that stopped the run (it sets the exit code). From then on, and from `cleaning_up` on,
-    a signal does not raise: `warned` once it has been answered."""
+    a signal does not raise: `warned` once it has been answered. `save_requested`: SIGUSR1 came (the loop saves a
+    checkpoint after the step it is in and stops)."""
 
     first: int | None = None
     cleaning_up: bool = False
     warned: bool = False
+    save_requested: bool = False
 
 
 @contextlib.contextmanager
@@ -55,7 +57,11 @@ def signals_stop_the_run() -> Iterator[StopState]:
     the cleanup finish: raised inside it (in ray.shutdown, say), a second Ctrl-C printed a traceback, could crash
     the driver (exit -11) and left Ray's agents and the reward scratch directories behind. Not "stop faster": the
     cleanup is bounded (cluster.REWARD_CLOSE_TIMEOUT_S for the reward workers, then ~1.5 s of ray.shutdown), and
-    what a faster stop would skip is what leaves processes or directories behind; SIGKILL still ends it at once."""
+    what a faster stop would skip is what leaves processes or directories behind; SIGKILL still ends it at once.
+
+    SIGUSR1 interrupts nothing: the loop saves a checkpoint after the step in progress and stops (exit 0), the
+    same command resumes. A batch job's time limit (Slurm's `--signal=B:USR1@300`) is met with the run saved,
+    where SIGTERM before SIGKILL leaves seconds (as Megatron-LM's --exit-signal-handler does with its signal)."""
     state = StopState()
     if threading.current_thread() is not threading.main_thread():  # handlers belong to the main thread
         yield state
@@ -73,7 +79,11 @@ def signals_stop_the_run() -> Iterator[StopState]:
             logger.warning("%s: the run is already stopping; it ends once its workers and Ray are shut down "
                            "(seconds)", signal.Signals(signum).name)
 
+    def save_and_stop(signum: int, frame: object) -> None:
+        state.save_requested = True
+
     previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGINT, signal.SIGTERM)}
+    previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, save_and_stop)
     try:
         yield state
     except KeyboardInterrupt:
@@ -107,7 +117,7 @@ def run_training(cfg: GRPOConfig, inputs: RunInputs, resume_point: ResumePoint |
             run = build_run(cfg, inputs, resume_point)
             from grpo_app.loop import train
 
-            train(run, start_step=resume(run, resume_point))
+            train(run, start_step=resume(run, resume_point), save_requested=lambda: stop.save_requested)
             if cfg.logger.plot:
                 logger.info("plot: %s", run.sink.plot(log_dir / "summary.png"))
             logger.info("summary:\n%s", run.sink.summary())

@@ -623,6 +623,30 @@ def test_a_checkpoint_appears_only_once_the_record_of_the_step_it_saves_is_logge
     assert [r["step"] for r in records if "timing/checkpoint_s" in r] == [1, 3]
 
 
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_a_save_request_saves_after_the_step_in_progress_and_stops(tmp_path, caplog, checkpointing: bool):
+    """SIGUSR1 (main's handler) asks for a save during step 1: the run saves step_2 (no multiple of save_every) and
+    stops. Without checkpointing there is nothing to save: it says so once and runs to the end."""
+    requested = iter([False, True, True, True])  # asked once per step, from the end of step 1 on True
+    run = make_run("grpo.max_steps=4", "grpo.val_every=0", "checkpointing.save_every=3", "checkpointing.save_hf=never",
+                   f"checkpointing.enabled={str(checkpointing).lower()}", "logger.progress_bar=false")
+    run.workers = SlowValidationAndCheckpointWorkers()
+    run.sink = MetricsSink(tmp_path, tensorboard=False, resume_step=None)
+    if checkpointing:
+        run.checkpoints = CheckpointManager(tmp_path / "checkpoints", keep_top_k=5, metric="m", higher_is_better=True)
+        loop.trainer_state(run, 0, None)  # imports the engine (as preflight has in a run), else in the first checkpoint
+    with caplog.at_level("WARNING", logger="grpo_app.loop"):
+        loop.train(run, save_requested=lambda: next(requested))
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    if checkpointing:
+        assert run.checkpoints.steps() == [2] and steps == [0, 1]
+        assert (f"SIGUSR1: stopping after step 2 of 4, saved in {tmp_path}/checkpoints/step_2; the same command "
+                "resumes from there") in caplog.text
+    else:
+        assert steps == [0, 1, 2, 3]
+        assert caplog.text.count("SIGUSR1: checkpointing.enabled=false, nothing to save; the run goes on") == 1
+
+
 @pytest.mark.parametrize("left_s", [-1, 86400])
 def test_must_save_by_saves_a_checkpoint_and_stops_once_another_step_could_end_past_it(tmp_path, monkeypatch, caplog,
                                                                                       left_s):
